@@ -1,0 +1,420 @@
+"""The `grpo` command: a dispatcher over sub-commands, each a real `@hydra.main` app.
+
+Only this module and `config.py` touch Hydra/OmegaConf. Nothing heavy (torch,
+vLLM, datasets) is imported at module level, so `--help`, `--cfg job` and tab
+completion stay instant; each sub-command imports its engine when it runs.
+
+Flow of `grpo train recipe=X a.b=c`:
+  1. register the schema and every recipe found in Hydra's ConfigStore;
+  2. preflight: compose the config with Hydra's compose API and validate it into
+     dataclasses, turning any error into one line that names the full key;
+  3. hand the remaining argv to the sub-command's `@hydra.main` app, which keeps
+     Hydra's override grammar, --cfg/--resolve, -m sweeps, --config-dir and
+     shell completion.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import logging
+import os
+import secrets
+import sys
+import time
+import typing
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NoReturn
+
+from grpo_cli import __version__
+
+RECIPE_PATH_ENV = "GRPO_RECIPE_PATH"  # extra recipe directories, separated like PATH
+
+
+@dataclasses.dataclass(frozen=True)
+class Command:
+    summary: str  # one line for `grpo --help`
+    runner: str | None  # "module:function" taking (config dataclass, run_dir or None); None = not built yet
+    makes_run_dir: bool  # whether the command writes a run directory with a log file
+    issue: int | None = None  # where the missing piece is tracked, for commands not built yet
+
+
+COMMANDS: dict[str, Command] = {
+    "train": Command("train a policy with GRPO on a recipe", "grpo_cli.train:run", True),
+    "eval": Command("evaluate checkpoints on the held-out set", None, False, issue=5),
+    "reward": Command("score hand-written completions with a recipe's rewards", "grpo_cli.rewards:run_cases", False),
+    "export": Command("write a recipe's generated problems to JSONL", "grpo_cli.data:run_export", False),
+    "plot": Command("plot a run's metrics to a PNG", None, False, issue=6),
+}
+
+# The process-wide part of a run directory name. Timestamp + pid + random bits:
+# two runs started in the same second never collide, and every job of one
+# multirun sweep shares it.
+_RUN_UID = f"{os.getpid()}-{secrets.token_hex(2)}"
+
+log = logging.getLogger("grpo_cli")
+
+
+# ---------------------------------------------------------------------------
+# recipes
+
+
+def recipe_dirs() -> list[Path]:
+    """Where recipes are looked up, first match wins: $GRPO_RECIPE_PATH, the checkout, the wheel."""
+    dirs = [Path(p) for p in os.environ.get(RECIPE_PATH_ENV, "").split(os.pathsep) if p]
+    package_dir = Path(__file__).resolve().parent
+    dirs.append(package_dir.parent / "recipes")  # a source checkout (editable install)
+    dirs.append(package_dir / "recipes")  # an installed wheel ships them inside the package
+    return [d for d in dirs if d.is_dir()]
+
+
+def available_recipes() -> dict[str, Path]:
+    found: dict[str, Path] = {}
+    for d in recipe_dirs():
+        for path in sorted(d.glob("*.yaml")):
+            found.setdefault(path.stem, path)
+    return found
+
+
+# ---------------------------------------------------------------------------
+# errors
+
+
+class UsageError(Exception):
+    """A one-line error for the user; printed without a traceback."""
+
+
+def _fail(command: str, message: str, code: int = 2) -> NoReturn:
+    print(f"grpo {command}: error: {message}", file=sys.stderr)
+    sys.exit(code)
+
+
+def _schema_keys(schema: type, prefix: str = "") -> list[str]:
+    """Every dotted key of a config dataclass, for did-you-mean hints."""
+    keys = []
+    for f in dataclasses.fields(schema):
+        key = f"{prefix}{f.name}"
+        keys.append(key)
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        if dataclasses.is_dataclass(default):
+            keys.extend(_schema_keys(type(default), key + "."))
+    return keys
+
+
+def _did_you_mean(word: str, choices: list[str]) -> str:
+    close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _one_line(exc: BaseException, schema: type) -> str:
+    """Turn a Hydra/OmegaConf composition or validation error into one line naming the full key."""
+    from omegaconf.errors import (
+        ConfigAttributeError,
+        ConfigKeyError,
+        MissingMandatoryValue,
+        OmegaConfBaseException,
+        ValidationError,
+    )
+
+    from grpo_cli.config import ConfigError
+
+    chain = []
+    while exc is not None:
+        chain.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    for e in chain:
+        if isinstance(e, ConfigError):
+            return str(e)
+    for e in chain:
+        if not isinstance(e, OmegaConfBaseException):
+            continue
+        key = getattr(e, "full_key", None) or ""
+        msg = (getattr(e, "msg", None) or str(e)).strip().splitlines()[0]
+        if isinstance(e, (ConfigKeyError, ConfigAttributeError)):
+            name = msg.split("'")[1] if msg.count("'") >= 2 else key
+            full = key if key.endswith(name) else (f"{key}.{name}" if key else name)
+            return f"unknown key '{full}'{_did_you_mean(full, _schema_keys(schema))}; see `grpo train --cfg job` for valid keys"
+        if isinstance(e, MissingMandatoryValue):
+            return f"'{key}' has no value; set it in the recipe or on the command line ({key}=...)"
+        if isinstance(e, ValidationError):
+            return f"{key}: {msg}" if key else msg
+        return f"{key}: {msg}" if key else msg
+    first = chain[0]
+    return " ".join(str(first).split())
+
+
+# ---------------------------------------------------------------------------
+# Hydra wiring
+
+
+def _register(command: str, recipe_required: bool = True) -> None:
+    """Put the command's schema and every recipe into Hydra's ConfigStore.
+
+    Completion registers the recipe group as optional, so nested keys complete
+    before a recipe is typed (the schema's keys do not depend on the recipe).
+    """
+    from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
+
+    from grpo_cli.config import COMMAND_SCHEMAS
+
+    OmegaConf.register_new_resolver("grpo_run_uid", lambda: _RUN_UID, replace=True)
+    cs = ConfigStore.instance()
+    for name, path in available_recipes().items():
+        cs.store(group="recipe", name=name, node=OmegaConf.load(path), package="_global_")
+    cs.store(name=f"{command}_schema", node=COMMAND_SCHEMAS[command])
+    hydra_settings: dict[str, Any] = {
+        "job": {"name": command, "chdir": False},
+        "help": {"app_name": f"grpo {command}"},
+    }
+    defaults: list[Any] = [f"{command}_schema", {"recipe": "???" if recipe_required else None}, "_self_"]
+    if COMMANDS[command].makes_run_dir:
+        run_name = "${now:%Y-%m-%d_%H-%M-%S}_${grpo_run_uid:}"
+        hydra_settings["run"] = {"dir": "${output_dir}/${task}/" + run_name}
+        hydra_settings["sweep"] = {"dir": "${output_dir}/${task}/sweep_" + run_name, "subdir": "${hydra.job.num}"}
+    else:
+        # Commands that write no run directory: no log file, no .hydra folder, output in place.
+        hydra_settings["run"] = {"dir": "."}
+        hydra_settings["output_subdir"] = None
+        defaults += [{"override hydra/job_logging": "none"}, {"override hydra/hydra_logging": "none"}]
+    cs.store(name=command, node={"defaults": defaults, "hydra": hydra_settings})
+
+
+def _hydra_args(rest: list[str]) -> Any:
+    from hydra._internal.utils import get_args_parser
+
+    try:
+        return get_args_parser().parse_args(rest)
+    except SystemExit:
+        raise UsageError(f"could not parse arguments: {' '.join(rest)}") from None
+
+
+def _preflight(command: str, rest: list[str]) -> None:
+    """Compose and validate before Hydra's app runs, so every mistake is one line, no traceback."""
+    args = _hydra_args(rest)
+    if args.help or args.hydra_help or args.shell_completion or args.info or args.experimental_rerun:
+        return
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    recipes = available_recipes()
+    try:
+        parsed = OverridesParser.create().parse_overrides(args.overrides)
+    except Exception as e:  # Hydra's grammar errors are multi-line
+        raise UsageError(" ".join(str(e).split())) from None
+    overrides = []
+    chosen_recipes = []
+    for o in parsed:
+        key = o.get_key_element()
+        if o.is_sweep_override():
+            values = list(o.sweep_string_iterator())
+            value = values[0]
+        else:
+            values = [o.get_value_element_as_str()]
+            value = values[0]
+        if o.key_or_group == "recipe":
+            chosen_recipes += values
+        overrides.append(f"{key}={value}")
+    names = ", ".join(sorted(recipes)) or f"none found (set ${RECIPE_PATH_ENV})"
+    if not chosen_recipes:
+        raise UsageError(f"no recipe given; pick one with recipe=NAME, available: {names}")
+    for r in chosen_recipes:
+        if r not in recipes:
+            raise UsageError(f"unknown recipe '{r}'{_did_you_mean(r, list(recipes))}; available: {names}")
+    _compose_and_validate(command, overrides, args.config_dir)
+
+
+def _compose_and_validate(command: str, overrides: list[str], config_dir: str | None) -> Any:
+    from hydra import compose, initialize
+    from hydra.core.global_hydra import GlobalHydra
+
+    from grpo_cli.config import COMMAND_SCHEMAS
+
+    schema = COMMAND_SCHEMAS[command]
+    if config_dir:
+        overrides = overrides + [f"hydra.searchpath=[file://{Path(config_dir).resolve()}]"]
+    GlobalHydra.instance().clear()
+    try:
+        with initialize(config_path=None, version_base=None):
+            cfg = compose(config_name=command, overrides=overrides)
+            return validate(cfg, schema)
+    except UsageError:
+        raise
+    except Exception as e:
+        raise UsageError(_one_line(e, schema)) from None
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def validate(cfg: Any, schema: type) -> Any:
+    """The composed DictConfig -> the schema's dataclasses (runs every __post_init__ check)."""
+    from omegaconf import OmegaConf
+
+    # Hydra's `+key=value` opens the struct flag, so a typed node can still gain a key.
+    extra = _unknown_key(cfg, schema, "")
+    if extra:
+        raise UsageError(f"unknown key '{extra}'{_did_you_mean(extra, _schema_keys(schema))}; "
+                         "see `grpo train --cfg job` for valid keys")
+    try:
+        config = OmegaConf.to_object(cfg)
+    except Exception as e:
+        raise UsageError(_one_line(e, schema)) from None
+    if not isinstance(config, schema):  # e.g. a recipe that replaced the root
+        raise UsageError(f"the composed config is not a {schema.__name__}")
+    return config
+
+
+def _unknown_key(node: Any, schema: type, prefix: str) -> str | None:
+    """The first key in a composed config that its schema dataclass does not declare."""
+    from omegaconf import DictConfig, ListConfig
+
+    hints = typing.get_type_hints(schema)
+    for key in node.keys():
+        full = f"{prefix}{key}"
+        if key not in hints:
+            return full
+        value = node._get_node(key)
+        field_type = hints[key]
+        item_type = (typing.get_args(field_type) or [None])[0]
+        if isinstance(value, DictConfig) and dataclasses.is_dataclass(field_type):
+            found = _unknown_key(value, field_type, full + ".")
+        elif isinstance(value, ListConfig) and dataclasses.is_dataclass(item_type):
+            found = next((k for i, item in enumerate(value)
+                          if isinstance(item, DictConfig) and (k := _unknown_key(item, item_type, f"{full}[{i}]."))),
+                         None)
+        else:
+            found = None
+        if found:
+            return found
+    return None
+
+
+def _make_app(command: str) -> Callable[[], Any]:
+    import hydra
+
+    spec = COMMANDS[command]
+
+    def task(cfg: Any) -> None:
+        from hydra.core.hydra_config import HydraConfig
+        from omegaconf import OmegaConf
+
+        from grpo_cli.config import COMMAND_SCHEMAS
+
+        try:
+            config = validate(cfg, COMMAND_SCHEMAS[command])
+        except UsageError as e:
+            _fail(command, str(e))
+        run_dir = None
+        if spec.makes_run_dir:
+            run_dir = Path(HydraConfig.get().runtime.output_dir)
+            OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
+        module_name, func_name = spec.runner.split(":")
+        try:
+            import importlib
+
+            runner = getattr(importlib.import_module(module_name), func_name)
+            code = runner(config, run_dir)
+        except UsageError as e:
+            log.error("%s", e) if run_dir else None
+            _fail(command, str(e))
+        except KeyboardInterrupt:
+            raise
+        except Exception as e:
+            # Full traceback to the run's log file; one line on the terminal.
+            log.exception("grpo %s crashed", command)
+            where = f" (traceback in {run_dir / (command + '.log')})" if run_dir else ""
+            _fail(command, f"{type(e).__name__}: {e}{where}", code=1)
+        if code:
+            sys.exit(code)
+
+    return hydra.main(version_base=None, config_path=None, config_name=command)(task)
+
+
+# ---------------------------------------------------------------------------
+# entry point
+
+
+def _print_help() -> None:
+    lines = [
+        f"grpo {__version__}: train language models to reason with GRPO.",
+        "",
+        "usage: grpo COMMAND recipe=NAME [key=value ...] [hydra flags]",
+        "",
+        "commands:",
+    ]
+    for name, cmd in COMMANDS.items():
+        suffix = "" if cmd.runner else f" (not built yet, issue #{cmd.issue})"
+        lines.append(f"  {name:<8} {cmd.summary}{suffix}")
+    recipes = available_recipes()
+    lines += ["", "recipes:"] + [f"  {name:<20} {path}" for name, path in recipes.items()]
+    lines += [
+        "",
+        "examples:",
+        "  grpo train recipe=bike_pricing",
+        "  grpo train recipe=bike_pricing rollout.group_size=16 trainer.lr=3e-6",
+        "  grpo train recipe=bike_pricing --cfg job          # print the resolved config, run nothing",
+        "  grpo train -m recipe=bike_pricing trainer.kl_coef=0,0.02   # a sweep",
+        "  grpo COMMAND --help                              # Hydra's help for one command",
+        '  eval "$(grpo -sc install=bash)"                  # tab completion',
+        "",
+        f"recipes are looked up in ${RECIPE_PATH_ENV} (dirs separated by '{os.pathsep}'), then the package.",
+    ]
+    print("\n".join(lines))
+
+
+def _completion(argv: list[str]) -> int:
+    """`grpo -sc install=bash` / `query=bash`: Hydra's completion, aware of sub-commands."""
+    if any(a.startswith("query=") for a in argv[1:]):
+        line = os.environ.get("COMP_LINE", "")
+        words = line.split()
+        typed_command = len(words) >= 3 or (len(words) == 2 and line.endswith(" "))
+        if typed_command and words[1] in COMMANDS and COMMANDS[words[1]].runner:
+            # Drop the sub-command so Hydra sees "grpo <overrides>".
+            os.environ["COMP_LINE"] = line.replace(f" {words[1]}", "", 1)
+            return _run_hydra(words[1], argv, recipe_required=False)
+        if not typed_command:
+            print(" ".join(COMMANDS))
+        return 0
+    return _run_hydra("train", argv)
+
+
+HELP_FLAGS = ("-h", "--help", "--hydra-help", "-i", "--info")
+
+
+def _run_hydra(command: str, rest: list[str], recipe_required: bool = True) -> int:
+    # Help and --info describe the config without running it: no recipe needed.
+    _register(command, recipe_required and not any(a in HELP_FLAGS for a in rest))
+    sys.argv = [sys.argv[0]] + rest
+    try:
+        _make_app(command)()
+    except Exception as e:  # Hydra's own usage errors, outside the task function
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        _fail(command, " ".join(str(e).split()))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        _print_help()
+        return 0
+    if argv[0] in ("-V", "--version", "version"):
+        print(f"grpo {__version__}")
+        return 0
+    if argv[0] in ("-sc", "--shell-completion"):
+        return _completion(argv)
+    command, rest = argv[0], argv[1:]
+    if command not in COMMANDS:
+        _fail(command, f"unknown command{_did_you_mean(command, list(COMMANDS))}; choose one of: {', '.join(COMMANDS)}")
+    if COMMANDS[command].runner is None:
+        _fail(command, f"not built yet (tracked in issue #{COMMANDS[command].issue}); built: "
+              + ", ".join(n for n, c in COMMANDS.items() if c.runner))
+    started = time.time()
+    try:
+        _register(command)
+        _preflight(command, rest)
+    except UsageError as e:
+        _fail(command, str(e))
+    log.debug("preflight took %.3fs", time.time() - started)
+    return _run_hydra(command, rest)

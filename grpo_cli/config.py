@@ -1,0 +1,200 @@
+"""The typed configuration schema: one dataclass per section, a comment per field.
+
+Every recipe and every command-line override is validated against these
+dataclasses before any model, torch or vLLM import. Only this module and
+`cli.py` touch OmegaConf/Hydra; everything below receives plain dataclasses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import MISSING
+
+BUILTIN_MODEL = "builtin:bike_base"  # the small model shipped inside the package
+
+
+class ConfigError(ValueError):
+    """A config value is wrong; the message names the full key and the fix."""
+
+
+def _require(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {message}")
+
+
+@dataclass
+class ModelConfig:
+    name_or_path: str = BUILTIN_MODEL  # local HF directory, hub id, or "builtin:NAME" for a model shipped in grpo_cli/models
+    dtype: str = "float32"  # weights dtype for training and rollout: float32 | bfloat16 | float16
+    max_context_tokens: int | None = None  # cap on prompt+completion tokens; None = the model's max_position_embeddings
+
+    def __post_init__(self) -> None:
+        _require(self.dtype in ("float32", "bfloat16", "float16"), "model.dtype",
+                 f"'{self.dtype}' is not one of float32, bfloat16, float16")
+
+
+@dataclass
+class DataConfig:
+    source: str = "builtin:bike_pricing"  # builtin:NAME (generator) | path/to/file.jsonl | path/to/file.parquet | hub:owner/dataset
+    split: str = "train"  # split name when source is a hub dataset
+    prompt_column: str = "question"  # column holding the question text given to the template
+    num_train: int = 20000  # problems generated for training (builtin sources only)
+    num_heldout: int = 200  # fixed-size held-out set used for evaluation (never shares a question with train)
+    template: str = "plain"  # prompt rendering: "plain" (shipped model) | "chat" (tokenizer chat template + <answer> instruction)
+    answer_format: str = "answer_line"  # how the final answer is marked: "answer_line" (Answer: X) | "answer_tag" (<answer>X</answer>)
+    tiers: list[int] = field(default_factory=lambda: [1, 2, 3])  # difficulty tiers to draw (builtin bike_pricing)
+    seed: int = 1234  # generator seed; fixes the problems and the train/held-out split
+
+    def __post_init__(self) -> None:
+        _require(self.template in ("plain", "chat"), "data.template",
+                 f"'{self.template}' is not one of plain, chat")
+        _require(self.answer_format in ("answer_line", "answer_tag"), "data.answer_format",
+                 f"'{self.answer_format}' is not one of answer_line, answer_tag")
+        _require(self.num_train > 0, "data.num_train", "must be > 0")
+        _require(self.num_heldout > 0, "data.num_heldout", "must be > 0")
+
+
+@dataclass
+class RewardSpec:
+    name: str = MISSING  # a built-in reward ("correct", "format") or "package.module:function"
+    weight: float = 1.0  # weight of this function in the summed reward
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = "vllm"  # generation backend: "vllm" (default) | "hf" (transformers generate, for machines without vLLM)
+    prompts_per_step: int = 8  # P: distinct prompts sampled per optimizer step
+    group_size: int = 8  # G: completions sampled per prompt; advantages are relative within a group
+    temperature: float = 1.0  # sampling temperature; > 0 so a group has diversity
+    top_p: float = 1.0  # nucleus sampling mass
+    max_new_tokens: int = 64  # completion length cap, in tokens; longer answers are truncated and counted
+    kv_cache_gib: float = 1.0  # vLLM KV-cache size in GiB of host RAM (CPU) or device memory (GPU)
+    gpu_memory_utilization: float = 0.5  # vLLM's fraction of GPU memory (GPU only; on CPU kv_cache_gib is used)
+    push_check_every: int = 10  # every N steps compare vLLM logprobs with the trainer's after a weight push; 0 = never
+    push_check_tol: float = 1e-3  # max mean |logprob difference| before the run stops with a stale-weights error
+    quiet: bool = True  # silence vLLM's own progress bars and log chatter
+
+    def __post_init__(self) -> None:
+        _require(self.engine in ("vllm", "hf"), "rollout.engine", f"'{self.engine}' is not one of vllm, hf")
+        _require(self.group_size >= 2, "rollout.group_size",
+                 f"is {self.group_size}; a group needs >= 2 completions for a relative advantage")
+        _require(self.prompts_per_step >= 1, "rollout.prompts_per_step", "must be >= 1")
+        _require(self.temperature > 0, "rollout.temperature", "must be > 0 (groups need diverse samples)")
+        _require(0 < self.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
+        _require(self.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1")
+        _require(self.kv_cache_gib > 0, "rollout.kv_cache_gib", "must be > 0")
+        _require(0 < self.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization", "must be in (0, 1]")
+        _require(self.push_check_every >= 0, "rollout.push_check_every", "must be >= 0 (0 = never)")
+
+
+@dataclass
+class TrainerConfig:
+    steps: int = 60  # optimizer steps (one rollout batch each)
+    lr: float = 1e-4  # AdamW learning rate, after warm-up
+    warmup_steps: int = 0  # linear LR warm-up steps
+    weight_decay: float = 0.0  # AdamW weight decay
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.99])  # AdamW betas
+    max_grad_norm: float = 1.0  # gradient clipping threshold (global L2 norm)
+    clip_eps: float = 0.2  # PPO clip range below 1: ratio >= 1 - clip_eps
+    clip_eps_high: float | None = None  # PPO clip range above 1 (DAPO's clip-higher); None = clip_eps
+    kl_coef: float = 0.02  # weight of the k3 KL penalty to the frozen reference; 0 loads no reference model
+    scale_by_std: bool = True  # divide advantages by the group std; False = Dr. GRPO (r - mean only)
+    reward_round_decimals: int | None = None  # round summed rewards before normalising (damps noise in graded rewards)
+    filter_zero_variance: bool = False  # drop groups whose rewards are all equal from the loss
+    loss: str = "grpo"  # loss aggregation, picked from grpo_cli.grpo.LOSSES: "grpo" (per-sequence mean) | "token_mean"
+    micro_batch_size: int = 16  # sequences per forward/backward pass (memory knob, not a math knob)
+    logprob_chunk_tokens: int = 1024  # tokens per logits chunk when computing logprobs; bounds the [tokens, vocab] buffer
+    threads: int = 0  # torch CPU threads for the trainer; 0 = all cores
+    seed: int = 0  # run seed: prompt order, sampling, init of anything random
+    deterministic: bool = False  # torch deterministic algorithms (for bit-exact resume on CPU)
+
+    def __post_init__(self) -> None:
+        _require(self.steps >= 1, "trainer.steps", "must be >= 1")
+        _require(self.lr > 0, "trainer.lr", "must be > 0")
+        _require(0 < self.clip_eps < 1, "trainer.clip_eps", "must be in (0, 1)")
+        _require(self.clip_eps_high is None or self.clip_eps_high > 0, "trainer.clip_eps_high", "must be > 0 or null")
+        _require(self.kl_coef >= 0, "trainer.kl_coef", "must be >= 0")
+        _require(self.micro_batch_size >= 1, "trainer.micro_batch_size", "must be >= 1")
+        _require(self.logprob_chunk_tokens >= 1, "trainer.logprob_chunk_tokens", "must be >= 1")
+        _require(len(self.betas) == 2, "trainer.betas", "must be two numbers, e.g. [0.9,0.99]")
+        _require(self.max_grad_norm > 0, "trainer.max_grad_norm", "must be > 0")
+        _require(self.threads >= 0, "trainer.threads", "must be >= 0 (0 = all cores)")
+
+
+@dataclass
+class EvalConfig:
+    every: int = 10  # held-out evaluation every N steps (and at the end); 0 = only at the end
+    num_problems: int = 200  # held-out problems used (<= data.num_heldout)
+    samples_per_problem: int = 1  # k samples per problem (pass@1 is the mean correctness)
+    temperature: float = 1.0  # sampling temperature for evaluation (the training temperature by default)
+    greedy: bool = False  # also report greedy (temperature 0) accuracy
+
+    def __post_init__(self) -> None:
+        _require(self.every >= 0, "eval.every", "must be >= 0 (0 = only at the end)")
+        _require(self.num_problems >= 1, "eval.num_problems", "must be >= 1")
+        _require(self.samples_per_problem >= 1, "eval.samples_per_problem", "must be >= 1")
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0  # save a checkpoint every N steps; 0 = only the final one
+    keep_last: int = 2  # periodic checkpoints kept (the final and the best are kept too)
+
+    def __post_init__(self) -> None:
+        _require(self.every >= 0, "checkpoint.every", "must be >= 0")
+        _require(self.keep_last >= 1, "checkpoint.keep_last", "must be >= 1")
+
+
+@dataclass
+class LoggingConfig:
+    every: int = 1  # print a metrics line every N steps when stdout is not a terminal
+    samples_every: int = 10  # show and save a few sample completions every N steps; 0 = never
+    wandb: bool = False  # also log to Weights & Biases (honours WANDB_MODE; offline without a key)
+    wandb_project: str = "grpo_cli"  # wandb project name
+
+
+@dataclass
+class TrainConfig:
+    """`grpo train`: everything a run needs. A recipe fills these in; overrides refine them."""
+
+    task: str = MISSING  # task name, used for the run directory and logs (recipes set it)
+    output_dir: str = "runs"  # run directories are created under here as TASK/TIMESTAMP-ID
+    model: ModelConfig = field(default_factory=ModelConfig)  # the policy (and the frozen reference's start)
+    data: DataConfig = field(default_factory=DataConfig)  # where prompts come from and how they are rendered
+    rewards: list[RewardSpec] = field(default_factory=list)  # reward functions, summed with their weights
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)  # sampling groups of completions
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)  # the GRPO update
+    eval: EvalConfig = field(default_factory=EvalConfig)  # held-out evaluation during training
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # what is saved and when
+    logging: LoggingConfig = field(default_factory=LoggingConfig)  # console, metrics files, wandb
+
+    def __post_init__(self) -> None:
+        _require(len(self.rewards) > 0, "rewards", "no reward functions; add e.g. rewards=[{name:correct,weight:1.0}]")
+        for i, spec in enumerate(self.rewards):
+            _require(spec.weight == spec.weight, f"rewards[{i}].weight", "is NaN")
+        _require(self.eval.num_problems <= self.data.num_heldout, "eval.num_problems",
+                 f"{self.eval.num_problems} exceeds data.num_heldout={self.data.num_heldout}")
+
+
+@dataclass
+class RewardCommandConfig(TrainConfig):
+    """`grpo reward`: score hand-written completions with a recipe's reward functions."""
+
+    cases: str = MISSING  # JSONL file; each line: completion, the dataset columns (e.g. answer), optional expected
+
+
+@dataclass
+class ExportCommandConfig(TrainConfig):
+    """`grpo export`: write a recipe's generated problems to JSONL."""
+
+    out: str = MISSING  # output directory; train.jsonl and heldout.jsonl are written inside
+
+
+# Primary config name of each sub-command in Hydra's ConfigStore.
+COMMAND_SCHEMAS: dict[str, Any] = {
+    "train": TrainConfig,
+    "reward": RewardCommandConfig,
+    "export": ExportCommandConfig,
+}

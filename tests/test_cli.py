@@ -1,0 +1,180 @@
+"""The `grpo` CLI through a subprocess: help, version, errors, --cfg job, recipes, completion, run dirs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from grpo_cli import __version__
+from grpo_cli.cli import available_recipes
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def grpo(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "grpo_cli", *args], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, cwd=cwd or REPO, timeout=300)
+
+
+def test_help_lists_commands_and_recipes():
+    out = grpo("--help")
+    assert out.returncode == 0
+    for command in ("train", "eval", "reward", "export", "plot"):
+        assert f"  {command} " in out.stdout
+    assert "bike_pricing" in out.stdout
+
+
+def test_version_is_the_projects():
+    out = grpo("--version")
+    assert out.returncode == 0
+    assert out.stdout.strip() == f"grpo {__version__}"
+
+
+def test_cfg_job_prints_resolved_config_with_overrides():
+    out = grpo("train", "recipe=bike_pricing", "rollout.group_size=16", "trainer.lr=3e-6", "--cfg", "job")
+    assert out.returncode == 0, out.stderr
+    assert "group_size: 16" in out.stdout
+    assert "lr: 3.0e-06" in out.stdout
+    assert "task: bike_pricing" in out.stdout
+
+
+def test_cfg_job_imports_no_heavy_package():
+    code = (
+        "import sys\n"
+        "from grpo_cli.cli import main\n"
+        "try:\n"
+        "    main(['train', 'recipe=bike_pricing', '--cfg', 'job'])\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "heavy = [m for m in ('torch', 'vllm', 'datasets', 'transformers') if m in sys.modules]\n"
+        "print('HEAVY=' + ','.join(heavy))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "HEAVY=\n" in out.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["recipe=bike_pricing", "trainer.lrr=1"], "unknown key 'trainer.lrr' (did you mean 'trainer.lr'?)"),
+        (["recipe=bike_pricng"], "unknown recipe 'bike_pricng' (did you mean 'bike_pricing'?)"),
+        ([], "no recipe given"),
+        (["recipe=bike_pricing", "+trainer.foo=1"], "unknown key 'trainer.foo'"),
+        (["recipe=bike_pricing", "+foo=1"], "unknown key 'foo'"),
+        (["recipe=bike_pricing", "rollout.group_size=abc"], "rollout.group_size"),
+        (["recipe=bike_pricing", "rollout.group_size=1"], "rollout.group_size: is 1"),
+        (["recipe=bike_pricing", "task=???"], "'task' has no value"),
+        (["recipe=bike_pricing", "rollout.engine=tgi"], "rollout.engine: 'tgi' is not one of vllm, hf"),
+        (["recipe=bike_pricing", "rewards=[]"], "rewards: no reward functions"),
+        (["recipe=bike_pricing", "trainer.lr=[1"], "no viable alternative"),
+    ],
+)
+def test_bad_config_is_one_line_error(args, expected):
+    out = grpo("train", *args)
+    assert out.returncode == 2
+    assert "Traceback" not in out.stderr + out.stdout
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1, out.stderr
+    assert lines[0].startswith("grpo train: error: ")
+    assert expected in lines[0]
+
+
+def test_missing_recipe_lists_available():
+    out = grpo("train")
+    for name in available_recipes():
+        assert name in out.stderr
+
+
+def test_unknown_and_unbuilt_commands():
+    out = grpo("trian")
+    assert out.returncode == 2 and "did you mean 'train'" in out.stderr
+    out = grpo("eval")
+    assert out.returncode == 2 and "not built yet" in out.stderr
+
+
+def test_every_shipped_recipe_composes_and_validates():
+    from grpo_cli.cli import _compose_and_validate, _register
+    from grpo_cli.config import TrainConfig
+
+    _register("train")
+    recipes = available_recipes()
+    assert "bike_pricing" in recipes
+    for name in recipes:
+        config = _compose_and_validate("train", [f"recipe={name}"], None)
+        assert isinstance(config, TrainConfig)
+        assert config.rewards, name
+
+
+def test_private_recipe_dir_from_environment(tmp_path):
+    (tmp_path / "my_task.yaml").write_text(
+        "task: my_task\nrewards:\n  - name: correct\nrollout:\n  group_size: 4\n")
+    out = grpo("train", "recipe=my_task", "--cfg", "job", env={"GRPO_RECIPE_PATH": str(tmp_path)})
+    assert out.returncode == 0, out.stderr
+    assert "task: my_task" in out.stdout and "group_size: 4" in out.stdout
+    assert "my_task" in grpo("--help", env={"GRPO_RECIPE_PATH": str(tmp_path)}).stdout
+
+
+def test_recipe_with_unknown_key_names_it(tmp_path):
+    (tmp_path / "broken.yaml").write_text("task: broken\nrewards:\n  - name: correct\nrollout:\n  groupsize: 4\n")
+    out = grpo("train", "recipe=broken", env={"GRPO_RECIPE_PATH": str(tmp_path)})
+    assert out.returncode == 2
+    assert "rollout.groupsize" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_shell_completion_install_and_query():
+    install = grpo("-sc", "install=bash")
+    assert install.returncode == 0
+    assert "complete" in install.stdout and "hydra_bash_completion" in install.stdout
+    recipe = grpo("-sc", "query=bash", env={"COMP_LINE": "grpo train recipe=", "COMP_POINT": "18"})
+    assert "recipe=bike_pricing" in recipe.stdout.split()
+    nested = grpo("-sc", "query=bash", env={"COMP_LINE": "grpo train rollout.gr", "COMP_POINT": "21"})
+    assert "rollout.group_size=" in nested.stdout.split()
+    commands = grpo("-sc", "query=bash", env={"COMP_LINE": "grpo ", "COMP_POINT": "5"})
+    assert set(commands.stdout.split()) >= {"train", "eval", "reward"}
+
+
+def test_hydra_usage_error_is_one_line():
+    out = grpo("train", "-m", "recipe=bike_pricing", "rollout.group_size=4,8", "--cfg", "job")
+    assert out.returncode == 2
+    assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
+
+
+def test_command_help_without_recipe():
+    out = grpo("train", "--help")
+    assert out.returncode == 0, out.stderr
+    assert "recipe: bike_pricing" in out.stdout or "bike_pricing" in out.stdout
+
+
+def test_run_dirs_are_unique_and_hold_config_overrides_and_log(tmp_path):
+    """Two runs started together get two directories; a crash's traceback lands in the log file."""
+    args = ["train", "recipe=bike_pricing", f"output_dir={tmp_path}", "model.name_or_path=/nonexistent/model"]
+    procs = [subprocess.Popen([sys.executable, "-m", "grpo_cli", *args], cwd=REPO, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    results = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode != 0 for p in procs)
+    run_dirs = sorted((tmp_path / "bike_pricing").iterdir())
+    assert len(run_dirs) == 2
+    for run_dir in run_dirs:
+        assert (run_dir / "config.yaml").is_file()
+        assert "model.name_or_path=/nonexistent/model" in (run_dir / ".hydra" / "overrides.yaml").read_text()
+        assert "Traceback" in (run_dir / "train.log").read_text()
+    for _, stderr in results:
+        assert "Traceback" not in stderr
+        assert stderr.strip().splitlines()[-1].startswith("grpo train: error: ")
+    assert not (REPO / "outputs").exists()
+
+
+def test_cwd_is_not_changed(tmp_path):
+    out = grpo("train", "recipe=bike_pricing", f"output_dir={tmp_path}", "model.name_or_path=/nonexistent/model",
+               cwd=tmp_path)
+    assert out.returncode != 0
+    config = (next((tmp_path / "bike_pricing").iterdir()) / "config.yaml").read_text()
+    assert f"output_dir: {tmp_path}" in config
+    assert json.dumps("x")  # the run wrote nothing into the working directory besides output_dir
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bike_pricing"]

@@ -42,6 +42,7 @@ class DataConfig:
     prompt_column: str = "question"  # column holding the question text given to the template
     num_train: int = 20000  # problems generated for training (builtin sources only)
     num_heldout: int = 200  # fixed-size held-out set used for evaluation (never shares a question with train)
+    heldout_source: str | None = None  # file or hub:owner/name[@split] with the held-out rows (e.g. an exported heldout.jsonl); None = carve them out of source
     template: str = "plain"  # prompt rendering: "plain" (shipped model) | "chat" (tokenizer chat template + <answer> instruction)
     answer_format: str = "answer_line"  # how the final answer is marked: "answer_line" (Answer: X) | "answer_tag" (<answer>X</answer>)
     tiers: list[int] = field(default_factory=lambda: [1, 2, 3])  # difficulty tiers to draw (builtin bike_pricing)

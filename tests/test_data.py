@@ -1,0 +1,212 @@
+"""Prompt sources: the builtin generator, local JSONL/Parquet files, the hub's error path, and `grpo export`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from grpo_cli.cli import UsageError
+from grpo_cli.config import DataConfig
+from grpo_cli.data import load_splits
+from grpo_cli.tasks import bike_pricing
+
+GRPO = str(Path(sys.executable).parent / "grpo")
+
+
+def rows_of(n: int) -> list[dict]:
+    return [{"question": f"What is {i} + 1?", "answer": f"{i + 1}.00", "level": i % 3} for i in range(n)]
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def write_parquet(path: Path, rows: list[dict]) -> Path:
+    import datasets
+
+    datasets.Dataset.from_list(rows).to_parquet(str(path))
+    return path
+
+
+def questions(rows: list[dict]) -> set[str]:
+    return {r["question"] for r in rows}
+
+
+# ---------------------------------------------------------------------------
+# builtin
+
+
+def test_builtin_rows_match_the_generator():
+    train, heldout = load_splits(DataConfig(num_train=200, num_heldout=30, seed=9))
+    expected_train, expected_heldout = bike_pricing.splits(200, 30, seed=9)
+    assert train == [p.to_row() for p in expected_train]
+    assert heldout == [p.to_row() for p in expected_heldout]
+    assert len(heldout) == 30 and not questions(train) & questions(heldout)
+    assert {"question", "answer", "solution", "tier", "id"} <= set(train[0])
+
+
+def test_builtin_tiers_are_passed_through():
+    train, heldout = load_splits(DataConfig(num_train=50, num_heldout=10, tiers=[3]))
+    assert {r["tier"] for r in train + heldout} == {3}
+
+
+@pytest.mark.parametrize("config, message", [
+    (DataConfig(source="builtin:bike_prices"), "unknown builtin task 'bike_prices'; available: builtin:bike_pricing"),
+    (DataConfig(tiers=[4]), "data: tiers must be"),
+    (DataConfig(heldout_source="x.jsonl"), "data.heldout_source: a builtin generator"),
+])
+def test_builtin_errors(config, message):
+    with pytest.raises(UsageError) as info:
+        load_splits(config)
+    assert message in str(info.value)
+
+
+# ---------------------------------------------------------------------------
+# files
+
+
+@pytest.mark.parametrize("writer, suffix", [(write_jsonl, ".jsonl"), (write_parquet, ".parquet")])
+def test_file_source_holds_out_a_seeded_fixed_size_set(tmp_path, writer, suffix):
+    rows = rows_of(50)
+    path = writer(tmp_path / f"data{suffix}", rows)
+    train, heldout = load_splits(DataConfig(source=str(path), num_heldout=10, seed=1))
+    assert len(heldout) == 10 and len(train) == 40
+    assert questions(train) | questions(heldout) == questions(rows)
+    assert not questions(train) & questions(heldout)
+    assert all(set(r) == {"question", "answer", "level"} for r in train + heldout)  # extra columns kept
+    by_question = {r["question"]: r for r in rows}
+    assert all(by_question[r["question"]] == r for r in train + heldout)  # values survive the round trip
+    again = load_splits(DataConfig(source=str(path), num_heldout=10, seed=1))
+    assert again == (train, heldout)
+    _, other_heldout = load_splits(DataConfig(source=str(path), num_heldout=10, seed=2))
+    assert questions(other_heldout) != questions(heldout)
+
+
+def test_train_never_repeats_a_heldout_question(tmp_path):
+    rows = rows_of(20) * 3  # every question three times
+    path = write_jsonl(tmp_path / "dupes.jsonl", rows)
+    train, heldout = load_splits(DataConfig(source=str(path), num_heldout=5, seed=0))
+    assert len(heldout) == 5
+    assert not questions(train) & questions(heldout)
+
+
+def test_custom_prompt_column(tmp_path):
+    rows = [{"problem": f"p{i}", "answer": "1"} for i in range(5)]
+    path = write_jsonl(tmp_path / "p.jsonl", rows)
+    train, heldout = load_splits(DataConfig(source=str(path), prompt_column="problem", num_heldout=2))
+    assert len(train) == 3 and len(heldout) == 2
+
+
+def test_heldout_source_gives_the_held_out_rows(tmp_path):
+    rows = rows_of(30)
+    source = write_jsonl(tmp_path / "train.jsonl", rows)
+    held = write_jsonl(tmp_path / "heldout.jsonl", rows[:8] + [{"question": "extra?", "answer": "0", "level": 0}])
+    train, heldout = load_splits(DataConfig(source=str(source), heldout_source=str(held), num_heldout=8))
+    assert heldout == rows[:8]  # the first num_heldout rows, in file order
+    assert train == rows[8:]  # the source minus held-out questions, in file order
+    with pytest.raises(UsageError, match="has 9 rows, fewer than data.num_heldout=20"):
+        load_splits(DataConfig(source=str(source), heldout_source=str(held), num_heldout=20))
+
+
+def _file(tmp_path: Path, name: str, content: str | None) -> str:
+    path = tmp_path / name
+    if content is not None:
+        path.write_text(content, encoding="utf-8")
+    return str(path)
+
+
+@pytest.mark.parametrize("name, content, overrides, message", [
+    ("missing.jsonl", None, {}, "file '{path}' not found"),
+    ("data.csv", "question\nq\n", {}, "is not a .jsonl, .json or .parquet file"),
+    ("empty.jsonl", "", {}, "'{path}' is empty"),
+    ("blank.jsonl", "\n\n", {}, "it has no rows"),
+    ("bad.jsonl", '{"question": "a"}\n{"question": "b"}\n{"question": oops}\n', {}, "line 3 is not valid JSON"),
+    ("list.jsonl", '{"question": "a"}\n[1, 2]\n', {}, "line 2 is not a JSON object"),
+    ("bad.parquet", "not parquet", {}, "cannot read '{path}'"),
+    ("nocol.jsonl", '{"text": "a"}\n{"text": "b"}\n', {}, "has no column 'question' (columns: text)"),
+    ("nullrow.jsonl", '{"question": "a"}\n{"question": "b"}\n{"answer": "1"}\n', {},
+     "row 2 (counting from 0): column 'question' is missing"),
+    ("emptyq.jsonl", '{"question": "a"}\n{"question": "  "}\n', {}, "row 1 (counting from 0): column 'question' is empty"),
+    ("small.jsonl", '{"question": "a"}\n{"question": "b"}\n', {"num_heldout": 2}, "has 2 rows, but data.num_heldout=2"),
+    ("same.jsonl", '{"question": "a"}\n{"question": "a"}\n', {"num_heldout": 1}, "every row of"),
+])
+def test_file_errors_are_one_line_and_name_the_problem(tmp_path, name, content, overrides, message):
+    path = _file(tmp_path, name, content)
+    with pytest.raises(UsageError) as info:
+        load_splits(DataConfig(source=path, **overrides))
+    assert message.format(path=path) in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+# ---------------------------------------------------------------------------
+# hub (no network here: only the error path)
+
+
+def test_hub_source_without_a_name():
+    with pytest.raises(UsageError, match="names no dataset"):
+        load_splits(DataConfig(source="hub:"))
+
+
+def test_hub_source_offline_is_a_one_line_error(tmp_path):
+    code = ("from grpo_cli.config import DataConfig\nfrom grpo_cli.data import load_splits\n"
+            "from grpo_cli.cli import UsageError\n"
+            "try:\n    load_splits(DataConfig(source='hub:someone/nothing-here@test'))\n"
+            "except UsageError as e:\n    print(e)\n")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_HOME=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert "cannot load hub dataset 'someone/nothing-here' (split 'test')" in out.stdout, out.stdout + out.stderr
+
+
+# ---------------------------------------------------------------------------
+# `grpo export`, through the real command
+
+
+def run_grpo(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([GRPO, *args], capture_output=True, text=True, timeout=120)
+
+
+SMALL = ["data.num_train=120", "data.num_heldout=15", "eval.num_problems=15"]
+
+
+def test_export_round_trip(tmp_path):
+    out = tmp_path / "exported" / "nested"
+    result = run_grpo("export", "recipe=bike_pricing", f"out={out}", *SMALL)
+    assert result.returncode == 0, result.stderr
+    assert "wrote 120 train rows" in result.stdout and "wrote 15 held-out rows" in result.stdout
+    train_file, heldout_file = out / "train.jsonl", out / "heldout.jsonl"
+    exported_train = [json.loads(line) for line in train_file.read_text().splitlines()]
+    exported_heldout = [json.loads(line) for line in heldout_file.read_text().splitlines()]
+    train, heldout = load_splits(DataConfig(num_train=120, num_heldout=15))
+    assert (exported_train, exported_heldout) == (train, heldout)
+
+    # Training from the exported files gives back exactly the same split...
+    again = load_splits(DataConfig(source=str(train_file), heldout_source=str(heldout_file), num_heldout=15))
+    assert again == (train, heldout)
+    # ...and a lone exported file works as a plain jsonl source too.
+    alone_train, alone_heldout = load_splits(DataConfig(source=str(train_file), num_heldout=15))
+    assert len(alone_heldout) == 15 and len(alone_train) == 105
+
+    # The exported files go through `grpo export` again unchanged.
+    out2 = tmp_path / "again"
+    result = run_grpo("export", "recipe=bike_pricing", f"out={out2}", *SMALL,
+                      f"data.source={train_file}", f"data.heldout_source={heldout_file}")
+    assert result.returncode == 0, result.stderr
+    assert (out2 / "train.jsonl").read_text() == train_file.read_text()
+    assert (out2 / "heldout.jsonl").read_text() == heldout_file.read_text()
+
+
+def test_export_errors_exit_2(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    result = run_grpo("export", "recipe=bike_pricing", f"out={blocker}", *SMALL)
+    assert result.returncode == 2 and "is not a directory" in result.stderr
+    result = run_grpo("export", "recipe=bike_pricing", f"out={tmp_path / 'o'}", *SMALL,
+                      f"data.source={tmp_path / 'nope.jsonl'}")
+    assert result.returncode == 2 and "not found" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1

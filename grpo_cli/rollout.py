@@ -57,6 +57,28 @@ def max_model_len(model_path: str, model: ModelConfig) -> int:
     return min(limit, model.max_context_tokens) if model.max_context_tokens else limit
 
 
+# vLLM-CPU cannot rewind a seeded request's generator when a partially prefilled request's
+# token is discarded ("CPU Generator does not use offset", fixed downstream in vllm-rbln
+# PR #1025 / vllm-qaic PR #92). A chunked prefill triggers it. So on CPU the engine gets a
+# large token budget and `generate` submits requests in waves whose prefill fits in one step.
+CPU_MAX_BATCHED_TOKENS = 32768  # tokens per engine step (prefill + decode)
+CPU_MAX_SEQS = 512  # sequences running at once
+
+
+def prefill_waves(prompt_lens: list[int], n: int, token_budget: int, seq_budget: int) -> list[list[int]]:
+    """Split request indices into consecutive waves; each wave's prompts x n fit both budgets."""
+    waves: list[list[int]] = [[]]
+    tokens = seqs = 0
+    for i, length in enumerate(prompt_lens):
+        cost = length * n
+        if waves[-1] and (tokens + cost > token_budget or seqs + n > seq_budget):
+            waves.append([])
+            tokens = seqs = 0
+        waves[-1].append(i)
+        tokens, seqs = tokens + cost, seqs + n
+    return [w for w in waves if w]
+
+
 class VLLMEngine:
     """An in-process vLLM engine sampling groups with n=G."""
 
@@ -70,11 +92,14 @@ class VLLMEngine:
         # torch.set_num_threads a no-op: pin the current count before it starts.
         os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
         kwargs: dict[str, Any] = {}
-        if torch.cuda.is_available():
+        self.on_cpu = not torch.cuda.is_available()
+        if not self.on_cpu:
             kwargs["gpu_memory_utilization"] = rollout.gpu_memory_utilization
         else:
             # On the CPU backend the default reservation fails on small hosts: size it explicitly.
             kwargs["kv_cache_memory_bytes"] = int(rollout.kv_cache_gib * 2**30)
+            kwargs["max_num_batched_tokens"] = CPU_MAX_BATCHED_TOKENS
+            kwargs["max_num_seqs"] = CPU_MAX_SEQS
         self.llm = LLM(
             model=model_path,
             dtype=model.dtype,
@@ -102,7 +127,14 @@ class VLLMEngine:
                            logprobs=0, seed=seed)
             for seed in seeds
         ]
-        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
+        waves = [list(range(len(prompt_ids)))]
+        if self.on_cpu:  # half the budget for prefill: running sequences' decode tokens share the step
+            waves = prefill_waves([len(ids) for ids in prompt_ids], group_size, CPU_MAX_BATCHED_TOKENS // 2,
+                                  CPU_MAX_SEQS)
+        outputs = []
+        for wave in waves:
+            outputs += self.llm.generate([{"prompt_token_ids": prompt_ids[i]} for i in wave],
+                                         [params[i] for i in wave], use_tqdm=False)
         completion_ids, logprobs, texts, truncated = [], [], [], []
         for out in outputs:
             samples = sorted(out.outputs, key=lambda c: c.index)  # [G]

@@ -27,6 +27,15 @@ def resolve_model_path(name_or_path: str) -> str:
             shipped = sorted(p.name for p in MODELS_DIR.glob("*") if (p / "config.json").is_file())
             raise FileNotFoundError(f"no built-in model '{name}'; shipped: {', '.join(shipped) or 'none'}")
         return str(path)
+    path = Path(name_or_path).expanduser()
+    looks_local = path.exists() or name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") != 1
+    if looks_local and not (path / "config.json").is_file():
+        what = "does not exist" if not path.exists() else "has no config.json"
+        raise FileNotFoundError(f"model '{name_or_path}' {what}: expected a Hugging Face model directory "
+                                "(config.json + *.safetensors + tokenizer), a hub id owner/name, or builtin:NAME")
+    if looks_local and not any(path.glob("*.safetensors")):
+        raise FileNotFoundError(f"model '{name_or_path}' has no *.safetensors weights (pickled .bin weights are "
+                                "not loaded, for safety); convert it with save_pretrained(safe_serialization=True)")
     return name_or_path
 
 
@@ -52,7 +61,12 @@ def load_policy(path: str, dtype: str) -> Any:
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype), use_safetensors=True)
 
 
-def save_checkpoint(model: Any, tokenizer: Any, path: Path, info: dict[str, Any]) -> Path:
+TRAINER_STATE = "trainer_state.pt"  # optimizer, LR schedule, data order and RNG states (tensors and plain types)
+STEP_PREFIX = "step_"  # periodic checkpoints are checkpoints/step_000010, ...
+
+
+def save_checkpoint(model: Any, tokenizer: Any, path: Path, info: dict[str, Any],
+                    trainer_state: dict[str, Any] | None = None) -> Path:
     """Write model (safetensors) + tokenizer + config to `path` atomically; returns `path`.
 
     The files go to `path.tmp-PID` first; the marker file is written last, then the
@@ -66,6 +80,10 @@ def save_checkpoint(model: Any, tokenizer: Any, path: Path, info: dict[str, Any]
     tmp.mkdir(parents=True)
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
+    if trainer_state is not None:
+        import torch
+
+        torch.save(trainer_state, tmp / TRAINER_STATE)
     with open(tmp / COMPLETE_MARKER, "w") as f:
         json.dump(info, f, indent=2)
         f.flush()
@@ -83,3 +101,52 @@ def save_checkpoint(model: Any, tokenizer: Any, path: Path, info: dict[str, Any]
 def is_complete_checkpoint(path: Path) -> bool:
     path = Path(path)
     return (path / COMPLETE_MARKER).is_file() and (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
+def read_info(path: Path) -> dict[str, Any]:
+    with open(Path(path) / COMPLETE_MARKER) as f:
+        return json.load(f)
+
+
+def load_trainer_state(path: Path) -> dict[str, Any]:
+    """The trainer state of a checkpoint; weights_only=True: tensors and plain types, never arbitrary pickle."""
+    import torch
+
+    return torch.load(Path(path) / TRAINER_STATE, weights_only=True)
+
+
+def step_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints of a run that can be resumed from, oldest first (by step)."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir()
+             if p.is_dir() and ".tmp-" not in p.name and ".old-" not in p.name
+             and is_complete_checkpoint(p) and (p / TRAINER_STATE).is_file()]
+    return sorted(found, key=lambda p: read_info(p)["step"])
+
+
+def newest_run(output_dir: str, task: str) -> Path | None:
+    """The most recently modified run directory of a task that holds a resumable checkpoint."""
+    root = Path(output_dir) / task
+    runs = [d for d in root.iterdir() if d.is_dir() and step_checkpoints(d)] if root.is_dir() else []
+    return max(runs, key=lambda d: step_checkpoints(d)[-1].stat().st_mtime, default=None)
+
+
+def resume_dir(output_dir: str, task: str, resume: str) -> Path:
+    """`resume=auto` -> the newest resumable run of the task; `resume=DIR` -> DIR, checked."""
+    if resume == "auto":
+        found = newest_run(output_dir, task)
+        if found is None:
+            raise FileNotFoundError(f"resume=auto: no run of '{task}' under {Path(output_dir) / task} has a "
+                                    "complete checkpoint to resume from")
+        return found.resolve()
+    path = Path(resume)
+    if not path.is_dir():
+        raise FileNotFoundError(f"resume={resume}: not a directory")
+    if not step_checkpoints(path):
+        root = path / "checkpoints"
+        have = sorted(p.name for p in root.iterdir()) if root.is_dir() else []
+        raise FileNotFoundError(f"resume={resume}: no complete checkpoint with trainer state in {root} "
+                                f"(found: {', '.join(have) or 'nothing'}); is this a run directory?")
+    return path.resolve()

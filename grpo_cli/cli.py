@@ -39,20 +39,35 @@ class Command:
     makes_run_dir: bool  # whether the command writes a run directory with a log file
     issue: int | None = None  # where the missing piece is tracked, for commands not built yet
     needs_recipe: bool = True  # whether the command composes a recipe (recipe=NAME); False keeps the group out
+    # "module:function" (overrides: dict, strict: bool) -> a run's saved config.yaml that stands in for the
+    # recipe (recipe=NAME stays optional and wins); strict=True raises a UsageError instead of returning None
+    recipe_from: str | None = None
 
 
 COMMANDS: dict[str, Command] = {
     "train": Command("train a policy with GRPO on a recipe", "grpo_cli.train:run", True),
-    "eval": Command("evaluate checkpoints on the held-out set", None, False, issue=5),
+    "eval": Command("evaluate checkpoints on the held-out set", "grpo_cli.evaluate:run", False, needs_recipe=False,
+                    recipe_from="grpo_cli.evaluate:run_config_path"),
     "reward": Command("score hand-written completions with a recipe's rewards", "grpo_cli.rewards:run_cases", False),
     "export": Command("write a recipe's generated problems to JSONL", "grpo_cli.data:run_export", False),
     "plot": Command("plot a run's metrics to a PNG", "grpo_cli.plot:run_plot", False, needs_recipe=False),
 }
 
-# The process-wide part of a run directory name. Timestamp + pid + random bits:
-# two runs started in the same second never collide, and every job of one
-# multirun sweep shares it.
-_RUN_UID = f"{os.getpid()}-{secrets.token_hex(2)}"
+# A run directory's name: timestamp + pid + random bits, fixed once per process, so
+# two runs started in the same second never collide and a sweep's jobs share it.
+_RUN_NAME = f"{time.strftime('%Y-%m-%d_%H-%M-%S')}_{os.getpid()}-{secrets.token_hex(2)}"
+
+
+def _run_dir(output_dir: str, task: str, resume: str | None) -> str:
+    if not resume:
+        return f"{output_dir}/{task}/{_RUN_NAME}"
+    from grpo_cli.checkpoint import resume_dir
+
+    return str(resume_dir(output_dir, task, resume))
+
+
+def _hydra_subdir(resume: str | None) -> str:
+    return f".hydra/resumed_{_RUN_NAME}" if resume else ".hydra"
 
 log = logging.getLogger("grpo_cli")
 
@@ -149,38 +164,108 @@ def _one_line(exc: BaseException, schema: type) -> str:
 # Hydra wiring
 
 
-def _register(command: str, recipe_required: bool = True) -> None:
+RUN_RECIPE = "_run"  # recipe-group name of a run's saved config standing in for recipe=NAME (grpo eval)
+
+
+def _register(command: str, recipe_required: bool = True, rest: list[str] | None = None) -> None:
     """Put the command's schema and every recipe into Hydra's ConfigStore.
 
     Completion registers the recipe group as optional, so nested keys complete
     before a recipe is typed (the schema's keys do not depend on the recipe).
+    For a command with `recipe_from` (grpo eval), the run named on the command
+    line (`rest`) has its saved config.yaml registered as the default recipe,
+    so command-line overrides apply on top of the run's resolved config.
     """
     from hydra.core.config_store import ConfigStore
     from omegaconf import OmegaConf
 
     from grpo_cli.config import COMMAND_SCHEMAS
 
-    OmegaConf.register_new_resolver("grpo_run_uid", lambda: _RUN_UID, replace=True)
+    OmegaConf.register_new_resolver("grpo_run_dir", _run_dir, replace=True)
+    OmegaConf.register_new_resolver("grpo_hydra_subdir", _hydra_subdir, replace=True)
     cs = ConfigStore.instance()
-    for name, path in (available_recipes() if COMMANDS[command].needs_recipe else {}).items():
-        cs.store(group="recipe", name=name, node=OmegaConf.load(path), package="_global_")
-    cs.store(name=f"{command}_schema", node=COMMAND_SCHEMAS[command])
+    spec, schema = COMMANDS[command], COMMAND_SCHEMAS[command]
+    for name, path in (available_recipes() if spec.needs_recipe or spec.recipe_from else {}).items():
+        cs.store(group="recipe", name=name, node=_recipe_node(path, schema), package="_global_")
+    run_config = _recipe_from(command, rest or [], strict=False)
+    if run_config is not None:
+        node = _recipe_node(run_config, schema)
+        node.pop("resume", None)  # how that run was started, not part of its recipe
+        cs.store(group="recipe", name=RUN_RECIPE, node=node, package="_global_")
+    cs.store(name=f"{command}_schema", node=schema)
     hydra_settings: dict[str, Any] = {
         "job": {"name": command, "chdir": False},
         "help": {"app_name": f"grpo {command}"},
     }
     recipe_required = recipe_required and COMMANDS[command].needs_recipe
-    defaults: list[Any] = [f"{command}_schema", {"recipe": "???" if recipe_required else None}, "_self_"]
+    default_recipe = RUN_RECIPE if run_config is not None else "???" if recipe_required else None
+    defaults: list[Any] = [f"{command}_schema", {"recipe": default_recipe}, "_self_"]
     if COMMANDS[command].makes_run_dir:
-        run_name = "${now:%Y-%m-%d_%H-%M-%S}_${grpo_run_uid:}"
-        hydra_settings["run"] = {"dir": "${output_dir}/${task}/" + run_name}
-        hydra_settings["sweep"] = {"dir": "${output_dir}/${task}/sweep_" + run_name, "subdir": "${hydra.job.num}"}
+        # A resumed run continues in its own directory; its Hydra files go to a subfolder.
+        hydra_settings["run"] = {"dir": "${grpo_run_dir:${output_dir},${task},${resume}}"}
+        hydra_settings["output_subdir"] = "${grpo_hydra_subdir:${resume}}"
+        hydra_settings["sweep"] = {"dir": f"${{output_dir}}/${{task}}/sweep_{_RUN_NAME}", "subdir": "${hydra.job.num}"}
     else:
         # Commands that write no run directory: no log file, no .hydra folder, output in place.
         hydra_settings["run"] = {"dir": "."}
         hydra_settings["output_subdir"] = None
         defaults += [{"override hydra/job_logging": "none"}, {"override hydra/hydra_logging": "none"}]
     cs.store(name=command, node={"defaults": defaults, "hydra": hydra_settings})
+
+
+def _recipe_node(path: Path, schema: type) -> Any:
+    """A recipe or a run's saved config, loaded for `schema`.
+
+    A section of `grpo train`'s config that the command's schema redeclares as a
+    plain value is dropped: eval's `checkpoint=PATH` is not train's `checkpoint:` section.
+    """
+    from omegaconf import DictConfig, OmegaConf
+
+    from grpo_cli.config import TrainConfig
+
+    try:
+        node = OmegaConf.load(path)
+    except Exception as e:
+        raise UsageError(f"cannot read '{path}': {' '.join(str(e).split())}") from None
+    if isinstance(node, DictConfig) and schema is not TrainConfig:
+        hints, train_hints = typing.get_type_hints(schema), typing.get_type_hints(TrainConfig)
+        for key in [k for k in node if dataclasses.is_dataclass(train_hints.get(k))
+                    and not dataclasses.is_dataclass(hints.get(k))]:
+            node.pop(key)
+    return node
+
+
+def _override_values(rest: list[str]) -> dict[str, Any]:
+    """key -> value of the command line's overrides (a sweep's first value as text); lists stay lists."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    args = _hydra_args(rest)
+    try:
+        parsed = OverridesParser.create().parse_overrides(args.overrides)
+    except Exception as e:  # Hydra's grammar errors are multi-line
+        raise UsageError(" ".join(str(e).split())) from None
+    return {o.key_or_group: next(iter(o.sweep_string_iterator())) if o.is_sweep_override() else o.value()
+            for o in parsed}
+
+
+def _recipe_from(command: str, rest: list[str], strict: bool) -> Path | None:
+    """The run config that stands in for recipe=NAME, for a command with `recipe_from`; else None.
+
+    strict=True (no recipe given): a one-line UsageError says why there is none.
+    """
+    spec = COMMANDS[command]
+    if spec.recipe_from is None:
+        return None
+    try:
+        values = _override_values(rest)
+    except UsageError:
+        if strict:
+            raise
+        return None  # completion, or a command line the preflight will reject in one line
+    import importlib
+
+    module_name, func_name = spec.recipe_from.split(":")
+    return getattr(importlib.import_module(module_name), func_name)(values, strict)
 
 
 def _hydra_args(rest: list[str]) -> Any:
@@ -218,8 +303,10 @@ def _preflight(command: str, rest: list[str]) -> None:
             chosen_recipes += values
         overrides.append(f"{key}={value}")
     names = ", ".join(sorted(recipes)) or f"none found (set ${RECIPE_PATH_ENV})"
-    if chosen_recipes and not COMMANDS[command].needs_recipe:
+    if chosen_recipes and not (COMMANDS[command].needs_recipe or COMMANDS[command].recipe_from):
         raise UsageError(f"'grpo {command}' takes no recipe; drop recipe={chosen_recipes[0]}")
+    if not chosen_recipes and COMMANDS[command].recipe_from:
+        _recipe_from(command, rest, strict=True)  # the run's config stands in for the recipe, or one line says why
     if not chosen_recipes and COMMANDS[command].needs_recipe:
         raise UsageError(f"no recipe given; pick one with recipe=NAME, available: {names}")
     for r in chosen_recipes:
@@ -241,13 +328,21 @@ def _compose_and_validate(command: str, overrides: list[str], config_dir: str | 
     try:
         with initialize(config_path=None, version_base=None):
             cfg = compose(config_name=command, overrides=overrides)
-            return validate(cfg, schema)
+            config = validate(cfg, schema)
     except UsageError:
         raise
     except Exception as e:
         raise UsageError(_one_line(e, schema)) from None
     finally:
         GlobalHydra.instance().clear()
+    if getattr(config, "resume", None):
+        from grpo_cli.checkpoint import resume_dir
+
+        try:
+            resume_dir(config.output_dir, config.task, config.resume)
+        except FileNotFoundError as e:
+            raise UsageError(str(e)) from None
+    return config
 
 
 def validate(cfg: Any, schema: type) -> Any:
@@ -358,6 +453,7 @@ def _print_help() -> None:
         "  grpo train recipe=bike_pricing rollout.group_size=16 trainer.lr=3e-6",
         "  grpo train recipe=bike_pricing --cfg job          # print the resolved config, run nothing",
         "  grpo train -m recipe=bike_pricing trainer.kl_coef=0,0.02   # a sweep",
+        "  grpo eval checkpoints=[base,RUN_DIR/checkpoints/final]     # compare a run's start and end",
         "  grpo COMMAND --help                              # Hydra's help for one command",
         '  eval "$(grpo -sc install=bash)"                  # tab completion',
         "",
@@ -387,7 +483,7 @@ HELP_FLAGS = ("-h", "--help", "--hydra-help", "-i", "--info")
 
 def _run_hydra(command: str, rest: list[str], recipe_required: bool = True) -> int:
     # Help and --info describe the config without running it: no recipe needed.
-    _register(command, recipe_required and not any(a in HELP_FLAGS for a in rest))
+    _register(command, recipe_required and not any(a in HELP_FLAGS for a in rest), rest)
     sys.argv = [sys.argv[0]] + rest
     try:
         _make_app(command)()
@@ -416,7 +512,7 @@ def main(argv: list[str] | None = None) -> int:
               + ", ".join(n for n, c in COMMANDS.items() if c.runner))
     started = time.time()
     try:
-        _register(command)
+        _register(command, rest=rest)
         _preflight(command, rest)
     except UsageError as e:
         _fail(command, str(e))

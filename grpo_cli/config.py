@@ -109,6 +109,7 @@ class TrainerConfig:
     threads: int = 0  # torch CPU threads for the trainer; 0 = all cores
     seed: int = 0  # run seed: prompt order, sampling, init of anything random
     deterministic: bool = False  # torch deterministic algorithms (for bit-exact resume on CPU)
+    max_bad_steps: int = 3  # non-finite loss or gradient: the step is skipped; this many in a row stop the run
 
     def __post_init__(self) -> None:
         _require(self.steps >= 1, "trainer.steps", "must be >= 1")
@@ -121,6 +122,7 @@ class TrainerConfig:
         _require(len(self.betas) == 2, "trainer.betas", "must be two numbers, e.g. [0.9,0.99]")
         _require(self.max_grad_norm > 0, "trainer.max_grad_norm", "must be > 0")
         _require(self.threads >= 0, "trainer.threads", "must be >= 0 (0 = all cores)")
+        _require(self.max_bad_steps >= 1, "trainer.max_bad_steps", "must be >= 1")
 
 
 @dataclass
@@ -139,8 +141,8 @@ class EvalConfig:
 
 @dataclass
 class CheckpointConfig:
-    every: int = 0  # save a checkpoint every N steps; 0 = only the final one
-    keep_last: int = 2  # periodic checkpoints kept (the final and the best are kept too)
+    every: int = 10  # save a resumable checkpoint every N steps (and at the end); 0 = only at the end
+    keep_last: int = 2  # periodic checkpoints kept; older ones are deleted (best and final are kept too)
 
     def __post_init__(self) -> None:
         _require(self.every >= 0, "checkpoint.every", "must be >= 0")
@@ -164,6 +166,7 @@ class TrainConfig:
 
     task: str = MISSING  # task name, used for the run directory and logs (recipes set it)
     output_dir: str = "runs"  # run directories are created under here as TASK/TIMESTAMP-ID
+    resume: str | None = None  # continue a run: its directory, or "auto" for the newest resumable run of the task
     model: ModelConfig = field(default_factory=ModelConfig)  # the policy (and the frozen reference's start)
     data: DataConfig = field(default_factory=DataConfig)  # where prompts come from and how they are rendered
     rewards: list[RewardSpec] = field(default_factory=list)  # reward functions, summed with their weights
@@ -196,6 +199,31 @@ class ExportCommandConfig(TrainConfig):
 
 
 @dataclass
+class EvalCommandConfig(TrainConfig):
+    """`grpo eval`: held-out metrics of checkpoints, sampled the way they were trained.
+
+    The recipe is the run's own RUN_DIR/config.yaml when the checkpoints come from a run
+    (run=DIR, or a path RUN_DIR/checkpoints/NAME), else `recipe=NAME`; command-line
+    overrides apply on top of either. Uses eval.num_problems, eval.samples_per_problem (k),
+    eval.temperature and eval.greedy. Replaces train's `checkpoint` section, which eval
+    has no use for, with the checkpoint to evaluate.
+    """
+
+    checkpoint: str | None = None  # a checkpoint or HF model directory, or latest | best | base (of run=DIR)
+    checkpoints: list[str] = field(default_factory=list)  # several, compared side by side on one engine, e.g. [base,latest]
+    run: str | None = None  # the run directory that latest/best/base refer to (default: the run of a checkpoint path)
+    samples_jsonl: bool = False  # also write every sample (prompt, completion, rewards) as JSONL beside the JSON
+    out: str | None = None  # the JSON file (or a directory for eval.json); None = CHECKPOINT/eval.json, see grpo_cli/evaluate.py
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _require(bool(self.checkpoint) or bool(self.checkpoints), "checkpoint",
+                 "no checkpoint given; set checkpoint=PATH (or latest|best|base with run=DIR) or checkpoints=[A,B]")
+        _require(not (self.checkpoint and self.checkpoints), "checkpoints",
+                 "both checkpoint and checkpoints are set; list every checkpoint in checkpoints=[...]")
+
+
+@dataclass
 class PlotCommandConfig:
     """`grpo plot`: draw one run's metrics.jsonl, or several runs overlaid, into one PNG (needs no recipe)."""
 
@@ -209,5 +237,6 @@ COMMAND_SCHEMAS: dict[str, Any] = {
     "train": TrainConfig,
     "reward": RewardCommandConfig,
     "export": ExportCommandConfig,
+    "eval": EvalCommandConfig,
     "plot": PlotCommandConfig,
 }

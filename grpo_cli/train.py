@@ -8,10 +8,13 @@ logprobs -> clipped loss + kl_coef * KL (micro-batches) -> clip grads -> AdamW
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 import os
 import random
+import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -38,7 +41,16 @@ def run(cfg: TrainConfig, run_dir: Path) -> int:
     import torch
 
     from grpo_cli import grpo
-    from grpo_cli.checkpoint import load_policy, load_tokenizer, resolve_model_path, save_checkpoint
+    from grpo_cli.checkpoint import (
+        STEP_PREFIX,
+        load_policy,
+        load_tokenizer,
+        load_trainer_state,
+        read_info,
+        resolve_model_path,
+        save_checkpoint,
+        step_checkpoints,
+    )
     from grpo_cli.prompts import render
     from grpo_cli.rollout import build_engine, max_model_len, sample_seeds
 
@@ -52,7 +64,10 @@ def run(cfg: TrainConfig, run_dir: Path) -> int:
     torch.manual_seed(t_cfg.seed)
     if t_cfg.deterministic:
         torch.use_deterministic_algorithms(True)
-    model_path = resolve_model_path(cfg.model.name_or_path)
+    try:
+        model_path = resolve_model_path(cfg.model.name_or_path)
+    except FileNotFoundError as e:
+        raise UsageError(f"model.name_or_path: {e}") from None
     tokenizer = load_tokenizer(model_path)
     context = max_model_len(model_path, cfg.model)
 
@@ -69,14 +84,26 @@ def run(cfg: TrainConfig, run_dir: Path) -> int:
                              f"{r_cfg.max_new_tokens} exceeds the model's context of {context} tokens; lower "
                              "rollout.max_new_tokens, set model.max_context_tokens, or drop long prompts")
 
+    # --- resume: the run directory is the resumed run's own (the CLI resolves resume=DIR|auto to it)
+    start_step, state, start_path = 0, None, model_path
+    if cfg.resume:
+        start_path = str(step_checkpoints(run_dir)[-1])
+        info = read_info(Path(start_path))
+        _check_same_run(info["config"], dataclasses.asdict(cfg))
+        start_step = info["step"]
+        if start_step >= t_cfg.steps:
+            raise UsageError(f"nothing to resume: {start_path} is at step {start_step} and trainer.steps="
+                             f"{t_cfg.steps}; pass a larger trainer.steps to train further")
+        state = load_trainer_state(Path(start_path))
+
     # --- models: the policy, the frozen reference (only when the KL term is on), the rollout engine
-    policy = load_policy(model_path, cfg.model.dtype)
+    policy = load_policy(start_path, cfg.model.dtype)
     policy.train()
     policy.config.use_cache = False
     ref_model = None
     if t_cfg.kl_coef > 0:
         ref_model = load_policy(model_path, cfg.model.dtype).eval().requires_grad_(False)
-    engine = build_engine(r_cfg.engine, model_path, cfg.model, r_cfg, t_cfg.seed, policy, tokenizer,
+    engine = build_engine(r_cfg.engine, start_path, cfg.model, r_cfg, t_cfg.seed, policy, tokenizer,
                           show_progress=cfg.logging.verbose_libraries)
 
     eval_every = cfg.eval.every or t_cfg.steps
@@ -87,9 +114,19 @@ def run(cfg: TrainConfig, run_dir: Path) -> int:
     loss_fn = grpo.LOSSES[t_cfg.loss]
     order = random.Random(t_cfg.seed).sample(range(len(train_rows)), len(train_rows))
     position = 0  # index into `order` of the next prompt
-
+    best_pass = -1.0  # best held-out pass@1 so far (checkpoints/best holds that model)
     history: list[dict[str, Any]] = []
+    if state is not None:
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        order, position, best_pass = state["order"].tolist(), state["position"], state["best_pass"]
+        random.setstate(state["python_rng"])
+        torch.set_rng_state(state["torch_rng"])
+        history = _truncate_metrics(run_dir / "metrics.jsonl", start_step)  # drop steps after the checkpoint
+
     started = time.time()
+    exit_code = 0
+    stop = GracefulStop()  # Ctrl-C: finish the step, checkpoint, exit 130; a second one exits at once
     logger = monitor.make_logger(cfg.logging, run_dir, dataclasses.asdict(cfg))  # metrics.jsonl (+ wandb)
     console = monitor.make_console(t_cfg.steps, cfg.logging.every)  # live view on a TTY, plain lines otherwise
     watch = monitor.ZeroVarianceWatch(cfg.logging.zero_variance_threshold, cfg.logging.zero_variance_patience)
@@ -99,11 +136,16 @@ def run(cfg: TrainConfig, run_dir: Path) -> int:
                      f"of {r_cfg.prompts_per_step} prompts x {r_cfg.group_size} | run dir {run_dir}")
         for note in logger.notes:
             console.info(note)
-        baseline = {"step": 0, **evaluate(engine, heldout_rows[: cfg.eval.num_problems], encode, reward_fns, cfg, 0)}
-        logger.log(baseline, 0)
-        console.update(baseline)
-        history.append(baseline)
-        for step in range(1, t_cfg.steps + 1):
+        if start_step == 0:
+            baseline = {"step": 0, **evaluate(engine, heldout_rows[: cfg.eval.num_problems], encode, reward_fns,
+                                              cfg, 0)}
+            logger.log(baseline, 0)
+            console.update(baseline)
+            history.append(baseline)
+        else:
+            console.info(f"resumed from {start_path} at step {start_step}")
+        bad_steps = 0  # consecutive steps skipped for a non-finite loss or gradient
+        for step in range(start_step + 1, t_cfg.steps + 1):
             timings: dict[str, float] = {}
             tick = time.time()
 
@@ -192,10 +234,16 @@ def run(cfg: TrainConfig, run_dir: Path) -> int:
             for k in ("kl", "clip_frac", "ratio"):
                 totals[k] = totals.get(k, 0.0) / max(stat_tokens, 1.0)
             grad_norm = float(torch.nn.utils.clip_grad_norm_(policy.parameters(), t_cfg.max_grad_norm))
-            if micro_batches:
-                if not math.isfinite(grad_norm):
-                    raise FloatingPointError(f"non-finite gradient norm at step {step}")
+            finite = math.isfinite(grad_norm) and math.isfinite(totals["loss"])
+            bad_steps = 0 if finite else bad_steps + 1
+            if not finite:  # skip the update: one bad batch must not poison the weights
+                console.warn(f"step {step}: non-finite loss or gradient, update skipped ({bad_steps} in a row)")
+                if bad_steps >= t_cfg.max_bad_steps:
+                    raise UsageError(f"{bad_steps} steps in a row had a non-finite loss or gradient (trainer."
+                                     f"max_bad_steps={t_cfg.max_bad_steps}); lower trainer.lr or check the rewards")
+            elif micro_batches:
                 optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
             scheduler.step()
             timings["update"] = time.time() - tick
 
@@ -219,7 +267,8 @@ def run(cfg: TrainConfig, run_dir: Path) -> int:
                 "loss": totals.get("loss", 0.0),
                 "kl": totals.get("kl", 0.0),
                 "clip_frac": totals.get("clip_frac", 0.0),
-                "grad_norm": grad_norm,
+                "grad_norm": grad_norm if finite else None,
+                "skipped_nonfinite": int(not finite),
                 "lr": scheduler.get_last_lr()[0],
                 "completion_len/mean": sum(lengths) / len(lengths),
                 "completion_len/max": max(lengths),
@@ -241,6 +290,21 @@ def run(cfg: TrainConfig, run_dir: Path) -> int:
             logger.log(metrics, step)
             console.update(metrics)
             history.append(metrics)
+
+            # --- checkpoints: periodic (resumable), the best by held-out pass@1, and one on Ctrl-C
+            info = {"step": step, "task": cfg.task, "base_model": model_path, "config": dataclasses.asdict(cfg),
+                    "eval/pass@1": metrics.get("eval/pass@1")}
+            if metrics.get("eval/pass@1", -1.0) > best_pass:
+                best_pass = metrics["eval/pass@1"]
+                save_checkpoint(policy, tokenizer, run_dir / "checkpoints" / "best", info)
+            last = step == t_cfg.steps
+            if last or stop.requested or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
+                trainer_state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                                 "order": torch.tensor(order), "position": position, "best_pass": best_pass,
+                                 "python_rng": random.getstate(), "torch_rng": torch.get_rng_state()}
+                name = "final" if last else f"{STEP_PREFIX}{step:06d}"
+                save_checkpoint(policy, tokenizer, run_dir / "checkpoints" / name, info, trainer_state)
+                _prune_checkpoints(run_dir / "checkpoints", cfg.checkpoint.keep_last)
             if warning := watch.check(metrics):
                 console.warn(warning)
             if cfg.logging.samples_every and step % cfg.logging.samples_every == 0:
@@ -249,19 +313,87 @@ def run(cfg: TrainConfig, run_dir: Path) -> int:
                             "advantage": float(advantages[p, 0])} for p in range(min(P, 4))]
                 logger.log_samples(samples, step)
                 console.samples(samples, step)
-
-        final = save_checkpoint(policy, tokenizer, run_dir / "checkpoints" / "final",
-                                {"step": t_cfg.steps, "task": cfg.task, "base_model": model_path})
+            if stop.requested and not last:
+                console.warn(f"interrupted at step {step}: checkpoint saved; continue with the same command "
+                             f"plus resume={run_dir}")
+                exit_code = 130
+                break
     finally:
+        stop.restore()
         console.close()
         logger.close()
     from grpo_cli.plot import plot_runs
 
     plot_runs([run_dir], run_dir / "metrics.png")
-    print(f"checkpoint: {final}")
     for line in monitor.summary_lines(history, run_dir, time.time() - started):
         print(line)
-    return 0
+    return exit_code
+
+
+class GracefulStop:
+    """SIGINT handling: the first Ctrl-C asks the loop to stop after the current step (it
+    checkpoints and exits 130); a second one exits at once with 130."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous = signal.signal(signal.SIGINT, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.requested:
+            print("\ninterrupted twice: exiting now", file=sys.stderr, flush=True)
+            os._exit(130)  # vLLM's threads could hold a normal exit; nothing half-written: saves are atomic
+        self.requested = True
+        print("\ninterrupt: stopping after this step and saving a checkpoint (Ctrl-C again to quit now)",
+              file=sys.stderr, flush=True)
+
+    def restore(self) -> None:
+        signal.signal(signal.SIGINT, self._previous)
+
+
+# Keys that may change between a run and its resume; any other difference would make the
+# resumed run a different experiment, so it is refused.
+RESUMABLE_CHANGES = ("resume", "output_dir", "trainer.steps", "logging.", "checkpoint.", "eval.every")
+
+
+def _check_same_run(saved: dict[str, Any], current: dict[str, Any]) -> None:
+    from grpo_cli.cli import UsageError
+
+    def flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k, v in d.items():
+            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+        return out
+
+    a, b = flat(saved), flat(current)
+    changed = [k for k in sorted(set(a) | set(b))
+               if a.get(k) != b.get(k) and not any(k == c or k.startswith(c) for c in RESUMABLE_CHANGES)]
+    if changed:
+        diffs = ", ".join(f"{k} ({a.get(k)!r} -> {b.get(k)!r})" for k in changed[:5])
+        raise UsageError(f"resume: the config differs from the run's: {diffs}; only "
+                         f"{', '.join(RESUMABLE_CHANGES[2:])} may change")
+
+
+def _truncate_metrics(path: Path, last_step: int) -> list[dict[str, Any]]:
+    """Keep metrics up to `last_step` (steps logged after the checkpoint are replayed) and return them."""
+    if not path.is_file():
+        return []
+    kept = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    kept = [m for m in kept if m.get("step", 0) <= last_step]
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(json.dumps(m) + "\n" for m in kept))
+    tmp.replace(path)
+    return kept
+
+
+def _prune_checkpoints(root: Path, keep_last: int) -> None:
+    """Delete periodic checkpoints beyond the newest `keep_last` (best and final are not periodic)."""
+    import shutil
+
+    from grpo_cli.checkpoint import STEP_PREFIX
+
+    periodic = sorted(p for p in root.glob(f"{STEP_PREFIX}*") if p.is_dir() and ".tmp-" not in p.name)
+    for old in periodic[:-keep_last]:
+        shutil.rmtree(old)
 
 
 def evaluate(engine: Any, rows: list[dict[str, Any]], encode: Any, reward_fns: Any, cfg: TrainConfig,

@@ -1,0 +1,208 @@
+"""Never lose a run: atomic checkpoints, exact resume after SIGKILL, Ctrl-C, and bad input.
+
+Runs use a tiny randomly initialised Qwen2 model with the shipped tokenizer and a
+graded custom reward (share of digits), so every step has a real gradient and the
+tests do not depend on the shipped model's accuracy.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
+
+REWARD_MODULE = '''
+import math
+
+def digit_share(completions, **kwargs):
+    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
+
+def boom(completions, **kwargs):
+    raise ValueError("boom")
+
+def too_few(completions, **kwargs):
+    return [1.0]
+
+def nan_always(completions, **kwargs):
+    return [math.nan] * len(completions)
+
+def nan_sometimes(completions, **kwargs):
+    return [math.nan if i == 0 else 0.5 for i in range(len(completions))]
+'''
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    """A tiny model (shipped tokenizer) and a reward module, in a directory the runs use as cwd."""
+    import torch
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    from grpo_cli.checkpoint import resolve_model_path
+
+    root = tmp_path_factory.mktemp("resume")
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("builtin:bike_base"))
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=512,
+                         tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)
+    Qwen2ForCausalLM(config).save_pretrained(root / "tiny")
+    tokenizer.save_pretrained(root / "tiny")
+    (root / "test_rewards_mod.py").write_text(REWARD_MODULE)
+    return root
+
+
+def args(workdir: Path, out: str, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "grpo_cli", "train", "recipe=bike_pricing", f"output_dir={workdir / out}",
+            f"model.name_or_path={workdir / 'tiny'}", "rollout.prompts_per_step=2", "rollout.group_size=4",
+            "rollout.max_new_tokens=16", "eval.num_problems=4", "eval.every=2", "trainer.lr=1e-3",
+            "rewards=[{name:test_rewards_mod:digit_share}]", "rollout.push_check_every=0", *extra]
+
+
+def run(workdir: Path, out: str, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run(args(workdir, out, *extra), cwd=workdir, capture_output=True, text=True, timeout=600)
+
+
+def only_run_dir(workdir: Path, out: str) -> Path:
+    dirs = list((workdir / out / "bike_pricing").iterdir())
+    assert len(dirs) == 1, dirs
+    return dirs[0]
+
+
+def test_atomic_save_leaves_previous_checkpoint_usable(workdir, tmp_path, monkeypatch):
+    from grpo_cli.checkpoint import load_policy, load_tokenizer, save_checkpoint, step_checkpoints
+
+    model, tokenizer = load_policy(str(workdir / "tiny"), "float32"), load_tokenizer(str(workdir / "tiny"))
+    run_dir = tmp_path / "run"
+    state = {"step": 1}
+    save_checkpoint(model, tokenizer, run_dir / "checkpoints" / "step_000001", {"step": 1}, state)
+
+    def killed(*a, **k):  # the writer dies after the weights, before the tokenizer and the marker
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(type(tokenizer), "save_pretrained", killed)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(model, tokenizer, run_dir / "checkpoints" / "step_000002", {"step": 2}, {"step": 2})
+    names = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert names[0] == "step_000001" and names[1].startswith("step_000002.tmp-")  # half-written, under a tmp name
+    assert [p.name for p in step_checkpoints(run_dir)] == ["step_000001"]  # ...which loaders ignore
+    assert load_policy(str(run_dir / "checkpoints" / "step_000001"), "float32") is not None
+
+
+def test_resume_after_sigkill_gives_the_same_weights(workdir):
+    from safetensors.torch import load_file
+
+    straight = run(workdir, "straight", "trainer.steps=4")
+    assert straight.returncode == 0, straight.stderr[-2000:]
+
+    proc = subprocess.Popen(args(workdir, "killed", "trainer.steps=4", "checkpoint.every=2"), cwd=workdir,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 600
+    marker = None
+    while time.time() < deadline and proc.poll() is None:
+        found = list((workdir / "killed").glob("bike_pricing/*/checkpoints/step_000002/checkpoint.json"))
+        if found:
+            marker = found[0]
+            break
+        time.sleep(0.2)
+    assert marker is not None, "no checkpoint at step 2 appeared"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    assert not (marker.parents[1] / "final").exists()
+
+    resumed = run(workdir, "killed", "trainer.steps=4", "checkpoint.every=2", "resume=auto")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    a = load_file(only_run_dir(workdir, "straight") / "checkpoints" / "final" / "model.safetensors")
+    b = load_file(only_run_dir(workdir, "killed") / "checkpoints" / "final" / "model.safetensors")
+    assert a.keys() == b.keys()
+    assert all(a[k].equal(b[k]) for k in a)  # bit-exact
+    steps = [json.loads(line)["step"] for line in
+             (only_run_dir(workdir, "killed") / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [0, 1, 2, 3, 4]  # steps logged after the checkpoint were replayed, not duplicated
+
+    again = run(workdir, "killed", "trainer.steps=4", "resume=auto")
+    assert again.returncode == 2
+    assert "nothing to resume" in again.stderr and "trainer.steps" in again.stderr
+
+    changed = run(workdir, "killed", "trainer.steps=6", "trainer.lr=5e-3", "resume=auto")
+    assert changed.returncode == 2 and "trainer.lr" in changed.stderr
+
+
+def test_ctrl_c_checkpoints_and_exits_130(workdir):
+    proc = subprocess.Popen(args(workdir, "interrupted", "trainer.steps=200", "checkpoint.every=0"), cwd=workdir,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 600
+    while time.time() < deadline:
+        metrics = list((workdir / "interrupted").glob("bike_pricing/*/metrics.jsonl"))
+        if metrics and len(metrics[0].read_text().splitlines()) >= 2:  # step 0 and step 1 logged
+            break
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 130, stderr[-2000:]
+    run_dir = only_run_dir(workdir, "interrupted")
+    from grpo_cli.checkpoint import step_checkpoints
+
+    saved = step_checkpoints(run_dir)
+    assert saved, "Ctrl-C wrote no checkpoint"
+    assert f"resume={run_dir}" in stdout + stderr
+    assert "Traceback" not in stderr
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["data.source=/nonexistent/problems.jsonl"], "/nonexistent/problems.jsonl"),
+        (["model.max_context_tokens=40"], "exceeds the model's context of 40 tokens"),
+        (["model.name_or_path=/nonexistent/ckpt"], "model.name_or_path: model '/nonexistent/ckpt' does not exist"),
+        (["rewards=[{name:test_rewards_mod:nope}]"], "nope"),
+        (["rewards=[{name:test_rewards_mod:boom}]", "rollout.engine=hf"], "failed on most samples"),
+        (["rewards=[{name:test_rewards_mod:too_few}]", "rollout.engine=hf"], "returned 1 values for 8"),
+        (["rewards=[{name:test_rewards_mod:nan_always}]", "rollout.engine=hf"], "non-finite"),
+    ],
+)
+def test_bad_input_is_one_line(workdir, extra, message):
+    out = run(workdir, "bad", "trainer.steps=2", *extra)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith("grpo train: error: ")
+    assert message in out.stderr.strip().splitlines()[-1]
+
+
+def test_bad_data_files(workdir, tmp_path):
+    missing_answer = write_jsonl(tmp_path / "no_answer.jsonl", [{"question": f"q{i}"} for i in range(20)])
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    cases = [
+        ([f"data.source={missing_answer}", "data.num_heldout=4", "eval.num_problems=4",
+          "rewards=[{name:correct}]"], "answer"),
+        ([f"data.source={empty}"], "empty"),
+    ]
+    for extra, message in cases:
+        out = run(workdir, "bad_data", "trainer.steps=2", *extra)
+        assert out.returncode == 2, out.stderr[-2000:]
+        line = out.stderr.strip().splitlines()[-1]
+        assert line.startswith("grpo train: error: ") and message in line, line
+
+
+def test_a_few_failing_samples_score_zero_and_are_counted(workdir):
+    out = run(workdir, "sometimes", "trainer.steps=1", "rollout.engine=hf",
+              "rewards=[{name:test_rewards_mod:nan_sometimes}]")
+    assert out.returncode == 0, out.stderr[-2000:]
+    metrics = [json.loads(line) for line in (only_run_dir(workdir, "sometimes") / "metrics.jsonl").read_text()
+               .splitlines()]
+    assert metrics[-1]["reward/failures"] == 1  # one NaN sample out of 8, scored 0, the run went on

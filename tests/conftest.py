@@ -1,0 +1,51 @@
+"""Session-scoped fixtures shared by the test suite.
+
+- `shipped_model_dir`: the small model committed in grpo_cli/models/bike_base.
+- `vllm_engine`: ONE in-process vLLM rollout engine (`grpo_cli.rollout.VLLMEngine`)
+  on the shipped model for the whole session; starting one costs tens of seconds
+  on CPU. Its raw `vllm.LLM` is `vllm_engine.llm`. A test that pushes weights
+  into it must push the shipped weights back before it returns.
+- `bike_splits`: the recipe's default bike_pricing (train, heldout) problems.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHIPPED_MODEL_DIR = REPO / "grpo_cli" / "models" / "bike_base"
+
+
+@pytest.fixture(scope="session")
+def shipped_model_dir() -> Path:
+    if not (SHIPPED_MODEL_DIR / "model.safetensors").exists():
+        pytest.fail(f"no shipped model in {SHIPPED_MODEL_DIR}; build it with scripts/make_base_model.py")
+    return SHIPPED_MODEL_DIR
+
+
+@pytest.fixture(scope="session")
+def vllm_engine(shipped_model_dir):
+    """The session's shared vLLM engine on the shipped model (recipe defaults: float32, 1 GiB KV cache)."""
+    pytest.importorskip("vllm")
+    import torch
+
+    from grpo_cli.config import ModelConfig, RolloutConfig
+    from grpo_cli.rollout import VLLMEngine
+
+    # Set before the engine starts: vLLM binds its OpenMP threads at start-up (one thread
+    # without this) and then turns torch.set_num_threads into a no-op for the whole process.
+    os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
+    return VLLMEngine(str(shipped_model_dir), ModelConfig(), RolloutConfig(), seed=0)
+
+
+@pytest.fixture(scope="session")
+def bike_splits():
+    """(train, heldout) with the recipe defaults (DataConfig: 20000 / 200 / seed 1234)."""
+    from grpo_cli.config import DataConfig
+    from grpo_cli.tasks.bike_pricing import splits
+
+    data = DataConfig()
+    return splits(data.num_train, data.num_heldout, data.seed, tiers=tuple(data.tiers))

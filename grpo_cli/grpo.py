@@ -50,15 +50,20 @@ def group_advantages(rewards: torch.Tensor, scale_by_std: bool = True, eps: floa
     return centered / (std + eps)  # [P, G]
 
 
-def zero_variance_groups(rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def zero_variance_groups(rewards: torch.Tensor, correct: torch.Tensor | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """Groups with no learning signal (every reward equal), split in two.
 
-    Returns `(all_correct, all_wrong)`, bool masks `[P]`: a zero-variance group is
-    "all_correct" when its (common) reward is > 0 and "all_wrong" when it is <= 0.
+    Returns `(all_correct, all_wrong)`, bool masks `[P]`. A zero-variance group is
+    "all_correct" when its samples are correct and "all_wrong" otherwise. Correct
+    means `correct > 0` for every sample when the correctness scores `[P, G]` are
+    given (a summed reward mixes in e.g. a format bonus: every answer wrong but
+    well formatted still scores > 0), else a common reward > 0.
     Equality is exact: round graded rewards first (`round_rewards`) if needed.
     """
     all_equal = rewards.amax(dim=-1) == rewards.amin(dim=-1)  # [P]
-    positive = rewards.amin(dim=-1) > 0  # [P]
+    basis = rewards if correct is None else correct  # [P, G]
+    positive = basis.amin(dim=-1) > 0  # [P]
     return all_equal & positive, all_equal & ~positive  # [P], [P]
 
 

@@ -175,7 +175,8 @@ def run(cfg: TrainConfig, run_dir: Path) -> int:
             reward = torch.tensor(scored.total, dtype=torch.float32).view(P, G)  # [P, G]
             reward = grpo.round_rewards(reward, t_cfg.reward_round_decimals)  # [P, G]
             advantages = grpo.group_advantages(reward, scale_by_std=t_cfg.scale_by_std)  # [P, G]
-            all_correct, all_wrong = grpo.zero_variance_groups(reward)  # [P], [P]
+            correct = torch.tensor(next(iter(scored.per_function.values()))).view(P, G)  # [P, G] first reward
+            all_correct, all_wrong = grpo.zero_variance_groups(reward, correct)  # [P], [P]
             keep = torch.ones(P, dtype=torch.bool)  # [P]
             if t_cfg.filter_zero_variance:
                 keep = ~(all_correct | all_wrong)  # [P]
@@ -398,25 +399,14 @@ def _prune_checkpoints(root: Path, keep_last: int) -> None:
 
 def evaluate(engine: Any, rows: list[dict[str, Any]], encode: Any, reward_fns: Any, cfg: TrainConfig,
              step: int) -> dict[str, float]:
-    """Sampled pass@1 on the held-out rows: mean of the first reward function (the correctness check)."""
-    from grpo_cli import rewards
+    """Held-out metrics (sampled pass@1 = mean of the first reward, the correctness check), as eval/... keys."""
+    from grpo_cli.evaluate import flatten, heldout_metrics
     from grpo_cli.rollout import sample_seeds
 
-    k = cfg.eval.samples_per_problem
-    out = engine.generate([encode(r) for r in rows], k, cfg.eval.temperature, cfg.rollout.top_p,
-                          cfg.rollout.max_new_tokens, sample_seeds(cfg.trainer.seed, step, len(rows), stream=1))
-    completions = [t for group in out.texts for t in group]
-    columns = {key: [r[key] for r in rows for _ in range(k)] for key in rows[0]}
-    scored = rewards.score(reward_fns, completions, columns, cfg.data.answer_format)
-    correct = next(iter(scored.per_function.values()))  # [N*k]
-    metrics = {"eval/pass@1": sum(correct) / len(correct)}
-    if "tier" in rows[0]:
-        for tier in sorted({r["tier"] for r in rows}):
-            vals = [c for c, t in zip(correct, columns["tier"]) if t == tier]
-            metrics[f"eval/pass@1_tier{tier}"] = sum(vals) / len(vals)
-    lengths = [len(c) for group in out.completion_ids for c in group]
-    metrics["eval/completion_len"] = sum(lengths) / len(lengths)
-    return metrics
+    metrics = heldout_metrics(engine, rows, encode, reward_fns, cfg.data.answer_format, cfg.eval.samples_per_problem,
+                              cfg.eval.temperature, cfg.rollout.top_p, cfg.rollout.max_new_tokens,
+                              sample_seeds(cfg.trainer.seed, step, len(rows), stream=1))
+    return flatten(metrics)
 
 
 def push_check(engine: Any, policy: Any, sequences: list[list[int]], prompt_lens: list[int], tol: float) -> float:

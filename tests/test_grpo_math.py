@@ -329,3 +329,12 @@ def test_chunked_forward_keeps_no_full_logits_for_backward():
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         torch.log_softmax(hidden @ weight.T, -1)
     assert max(saved) >= B * T * V
+
+
+def test_zero_variance_split_uses_correctness_when_given():
+    # every answer wrong but well formatted: summed reward 0.1 each, zero variance, yet all wrong
+    reward = torch.tensor([[0.1, 0.1, 0.1], [1.1, 1.1, 1.1], [0.0, 1.1, 0.1]])  # [P, G]
+    correct = torch.tensor([[0.0, 0.0, 0.0], [1.0, 1.0, 1.0], [0.0, 1.0, 0.0]])  # [P, G]
+    all_correct, all_wrong = zero_variance_groups(reward, correct)
+    assert all_correct.tolist() == [False, True, False]
+    assert all_wrong.tolist() == [True, False, False]

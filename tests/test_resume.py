@@ -34,6 +34,9 @@ def too_few(completions, **kwargs):
 def nan_always(completions, **kwargs):
     return [math.nan] * len(completions)
 
+def huge(completions, **kwargs):  # finite rewards whose advantages overflow the float32 loss
+    return [3e38 if i % 2 else 0.0 for i in range(len(completions))]
+
 def nan_sometimes(completions, **kwargs):
     return [math.nan if i == 0 else 0.5 for i in range(len(completions))]
 '''
@@ -173,6 +176,8 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
         (["rewards=[{name:test_rewards_mod:boom}]", "rollout.engine=hf"], "failed on most samples"),
         (["rewards=[{name:test_rewards_mod:too_few}]", "rollout.engine=hf"], "returned 1 values for 8"),
         (["rewards=[{name:test_rewards_mod:nan_always}]", "rollout.engine=hf"], "non-finite"),
+        (["rewards=[{name:test_rewards_mod:huge}]", "trainer.scale_by_std=false", "rollout.engine=hf",
+          "trainer.steps=4"], "steps in a row had a non-finite loss or gradient"),
     ],
 )
 def test_bad_input_is_one_line(workdir, extra, message):

@@ -194,14 +194,15 @@ def run(cfg: TrainConfig, run_dir: Path) -> int:
                     seq_sampling_lp.append(rollouts.sampling_logprobs[p][g])
             micro_batches = [list(range(i, min(i + t_cfg.micro_batch_size, len(sequences))))
                              for i in range(0, len(sequences), t_cfg.micro_batch_size)]
+            # padded once, used by the reference pass and the update: ids [b, T], attn [b, T], mask [b, T-1]
+            padded = [_pad(sequences, prompt_lens, mb, tokenizer.pad_token_id) for mb in micro_batches]
 
             # --- reference logprobs (no grad), micro-batch by micro-batch
             tick = time.time()
             ref_lps: list[Any] = [None] * len(micro_batches)
             if ref_model is not None:
                 with torch.no_grad():
-                    for i, mb in enumerate(micro_batches):
-                        ids, attn, mask = _pad(sequences, prompt_lens, mb, tokenizer.pad_token_id)
+                    for i, (ids, attn, _) in enumerate(padded):
                         ref_lps[i] = grpo.token_logprobs(ref_model, ids, attn, t_cfg.logprob_chunk_tokens,
                                                          temperature=r_cfg.temperature)  # [b, T-1]
             timings["logprobs"] = time.time() - tick
@@ -216,8 +217,7 @@ def run(cfg: TrainConfig, run_dir: Path) -> int:
             totals: dict[str, float] = {"loss": 0.0}
             stat_tokens = 0.0
             mismatch_sum, mismatch_tokens = 0.0, 0
-            for i, mb in enumerate(micro_batches):
-                ids, attn, mask = _pad(sequences, prompt_lens, mb, tokenizer.pad_token_id)  # [b, T], [b, T], [b, T-1]
+            for i, (mb, (ids, attn, mask)) in enumerate(zip(micro_batches, padded)):
                 logps = grpo.token_logprobs(policy, ids, attn, t_cfg.logprob_chunk_tokens,
                                             temperature=r_cfg.temperature)  # [b, T-1]
                 adv = torch.tensor([seq_adv[j] for j in mb])[:, None]  # [b, 1]

@@ -315,6 +315,16 @@ def _preflight(command: str, rest: list[str]) -> None:
     _compose_and_validate(command, overrides, args.config_dir)
 
 
+def load_config(command: str, overrides: list[str]) -> Any:
+    """The typed config `grpo COMMAND OVERRIDES...` runs with, for scripts and notebooks.
+
+    `load_config("train", ["recipe=bike_pricing", "rollout.group_size=16"])` -> TrainConfig.
+    Composed and validated exactly as on the command line; a mistake raises UsageError.
+    """
+    _register(command, rest=overrides)
+    return _compose_and_validate(command, overrides, None)
+
+
 def _compose_and_validate(command: str, overrides: list[str], config_dir: str | None) -> Any:
     from hydra import compose, initialize
     from hydra.core.global_hydra import GlobalHydra

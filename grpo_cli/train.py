@@ -258,6 +258,7 @@ def run(cfg: TrainConfig, run_dir: Path) -> int:
 
             # --- log
             lengths = [len(c) for group in rollouts.completion_ids for c in group]
+            train_tokens = sum(len(s) for s in sequences)
             step_time = sum(timings.values())
             metrics: dict[str, Any] = {
                 "step": step,
@@ -278,7 +279,10 @@ def run(cfg: TrainConfig, run_dir: Path) -> int:
                 "groups/all_wrong_frac": float(all_wrong.float().mean()),
                 "groups/kept": int(keep.sum()),
                 "mismatch/mean_abs_logprob": mismatch_sum / max(mismatch_tokens, 1),
+                "samples": len(completions),
                 "tokens_per_s": rollouts.num_tokens / max(timings["generate"], 1e-9),
+                "train_tokens": train_tokens,  # prompt + completion tokens through the reference pass and update
+                "train_tokens_per_s": train_tokens / max(timings["logprobs"] + timings["update"], 1e-9),
                 **{f"time/{k}": v for k, v in timings.items()},
                 "time/step": step_time,
                 "elapsed_s": time.time() - started,

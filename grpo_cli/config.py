@@ -104,7 +104,8 @@ class TrainerConfig:
     reward_round_decimals: int | None = None  # round summed rewards before normalising (damps noise in graded rewards)
     filter_zero_variance: bool = False  # drop groups whose rewards are all equal from the loss
     loss: str = "grpo"  # loss aggregation, picked from grpo_cli.grpo.LOSSES: "grpo" (per-sequence mean) | "token_mean"
-    micro_batch_size: int = 16  # sequences per forward/backward pass (memory knob, not a math knob)
+    micro_batch_size: int = 16  # at most this many sequences per forward/backward pass (memory knob, not a math knob)
+    micro_batch_tokens: int = 0  # and at most this many padded tokens per pass (0 = no token cap); memory knob too
     logprob_chunk_tokens: int = 1024  # tokens per logits chunk when computing logprobs; bounds the [tokens, vocab] buffer
     threads: int = 0  # torch CPU threads for the trainer; 0 = all cores
     seed: int = 0  # run seed: prompt order, sampling, init of anything random
@@ -118,6 +119,7 @@ class TrainerConfig:
         _require(self.clip_eps_high is None or self.clip_eps_high > 0, "trainer.clip_eps_high", "must be > 0 or null")
         _require(self.kl_coef >= 0, "trainer.kl_coef", "must be >= 0")
         _require(self.micro_batch_size >= 1, "trainer.micro_batch_size", "must be >= 1")
+        _require(self.micro_batch_tokens >= 0, "trainer.micro_batch_tokens", "must be >= 0 (0 = no token cap)")
         _require(self.logprob_chunk_tokens >= 1, "trainer.logprob_chunk_tokens", "must be >= 1")
         _require(len(self.betas) == 2, "trainer.betas", "must be two numbers, e.g. [0.9,0.99]")
         _require(self.max_grad_norm > 0, "trainer.max_grad_norm", "must be > 0")

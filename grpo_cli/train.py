@@ -192,8 +192,8 @@ def run(cfg: TrainConfig, run_dir: Path) -> int:
                     prompt_lens.append(len(prompt_ids[p]))
                     seq_adv.append(float(advantages[p, g]))
                     seq_sampling_lp.append(rollouts.sampling_logprobs[p][g])
-            micro_batches = [list(range(i, min(i + t_cfg.micro_batch_size, len(sequences))))
-                             for i in range(0, len(sequences), t_cfg.micro_batch_size)]
+            micro_batches = make_micro_batches([len(s) for s in sequences], t_cfg.micro_batch_size,
+                                               t_cfg.micro_batch_tokens)  # sequence indices, length-sorted
             # padded once, used by the reference pass and the update: ids [b, T], attn [b, T], mask [b, T-1]
             padded = [_pad(sequences, prompt_lens, mb, tokenizer.pad_token_id) for mb in micro_batches]
 
@@ -431,6 +431,27 @@ def push_check(engine: Any, policy: Any, sequences: list[list[int]], prompt_lens
         raise RuntimeError(f"the rollout engine holds stale weights: its logprobs differ from the trainer's by "
                            f"{worst:.2e} (> rollout.push_check_tol={tol:g}) after a weight push")
     return worst
+
+
+def make_micro_batches(lengths: list[int], max_seqs: int, max_tokens: int = 0) -> list[list[int]]:
+    """Sequence indices grouped into forward/backward passes, shortest first.
+
+    Sorting by length puts similar lengths together, so little compute goes to padding
+    (issue 8: the reference pass + update of a default step went from 1.23 s to 0.86 s).
+    Each pass holds at most `max_seqs` sequences and, when `max_tokens > 0`, at most
+    `max_tokens` padded tokens (rows x longest row); a single longer sequence gets a pass
+    of its own. The order does not change the loss: every micro-batch is divided by the
+    full batch's normalizer and the gradients add up.
+    """
+    batches: list[list[int]] = []
+    for j in sorted(range(len(lengths)), key=lengths.__getitem__):  # ascending: lengths[j] is the batch's width
+        fits = batches and len(batches[-1]) < max_seqs and (
+            not max_tokens or (len(batches[-1]) + 1) * lengths[j] <= max_tokens)
+        if fits:
+            batches[-1].append(j)
+        else:
+            batches.append([j])
+    return batches
 
 
 def _pad(sequences: list[list[int]], prompt_lens: list[int], idx: list[int], pad_id: int) -> tuple[Any, Any, Any]:

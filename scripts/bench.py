@@ -183,6 +183,7 @@ def worker_trl(args: argparse.Namespace) -> dict[str, Any]:
             learning_rate=t.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=t.weight_decay,
             adam_beta1=t.betas[0], adam_beta2=t.betas[1], max_grad_norm=t.max_grad_norm,
             reward_weights=[w.weight for w in cfg.rewards], use_vllm=args.trl_vllm, vllm_mode="colocate",
+            shuffle_dataset=False,  # the rows are already in grpo train's order: both see the same prompts per step
             bf16=False, fp16=False, dataloader_num_workers=0, log_completions=False, disable_tqdm=True,
         )
         trainer = GRPOTrainer(model=model, reward_funcs=[correct, format], args=config, train_dataset=dataset,
@@ -246,8 +247,9 @@ def worker_bounds(args: argparse.Namespace) -> dict[str, Any]:
         ours_s, raw_s = timed["ours"], timed["raw"]
         texts = [c.text for o in outs for c in o.outputs]
         raw_tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
-        correct += rewards.correct(texts, [row["answer"] for row in rows[k * P:(k + 1) * P] for _ in range(G)],
-                                   cfg.data.answer_format)
+        scores = rewards.correct(texts, [row["answer"] for row in rows[k * P:(k + 1) * P] for _ in range(G)],
+                                 cfg.data.answer_format)  # [P*G]
+        correct += [statistics.mean(scores[p * G:(p + 1) * G]) for p in range(P)]  # per prompt
         if k >= args.warmup:
             ours_tps.append(ours.num_tokens / ours_s)
             raw_tps.append(raw_tokens / raw_s)
@@ -284,10 +286,10 @@ def worker_bounds(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "ours_rollout_tokens_per_s": spread(ours_tps),
         "raw_vllm_tokens_per_s": spread(raw_tps),
-        "base_correct": statistics.mean(correct),
-        "base_correct_samples": len(correct),
+        "base_correct_per_prompt": correct,  # the base model's accuracy on each prompt, in grpo train's order
         "plain_train_tokens_per_s": plain,
         "train_batch": {"sequences": len(sequences), "tokens": tokens},
+        "steps": steps,
     }
 
 
@@ -471,9 +473,7 @@ def print_report(report: dict[str, Any]) -> None:
         say("\n" + table("Same workload (recipe bike_pricing), median s/step per round; speed-up = TRL s/step / ours",
                          ["trainer", "s/step", "round medians", "gen tok/s", "step 1-3 correct", "speed-up"], rows))
         if "bounds" in report:
-            b = report["bounds"]
-            say(f"fairness: base model accuracy on these prompts (raw vLLM, {b['base_correct_samples']} samples): "
-                f"{b['base_correct']:.3f}; each trainer's step 1-3 correct reward should match it within noise")
+            say(fairness(report))
         say(c["trl_vllm"])
     if "bounds" in report:
         b = report["bounds"]
@@ -512,6 +512,20 @@ def print_report(report: dict[str, Any]) -> None:
                          ["path", "tokens/s", "MFU", "peak MiB"], rows))
     elif "gpu" in report:
         say(f"\nGPU: {report['gpu']}")
+
+
+def fairness(report: dict[str, Any]) -> str:
+    """Each trainer's steps 1-3 reward vs the base model on the same 3 x P prompts, in standard errors
+    (per-prompt accuracies vary far more than samples of one prompt, so the error is over prompts)."""
+    per_prompt = report["bounds"]["base_correct_per_prompt"]
+    n = 3 * len(per_prompt) // (report["bounds"]["steps"])  # prompts in steps 1-3
+    base = statistics.mean(per_prompt[:n])
+    se = statistics.stdev(per_prompt[:n]) / n**0.5
+    parts = [f"fairness: base model on the first {n} prompts (raw vLLM) {base:.3f} +- {se:.3f} (1 s.e.)"]
+    for name in ("ours", "trl"):
+        got = statistics.mean(run["early_correct"] for run in report["compare"][name])
+        parts.append(f"{'grpo' if name == 'ours' else 'TRL'} steps 1-3 {got:.3f} ({(got - base) / se:+.1f} s.e.)")
+    return "; ".join(parts)
 
 
 def trl_version() -> str:

@@ -93,7 +93,9 @@ class RolloutConfig:
 class TrainerConfig:
     steps: int = 60  # optimizer steps (one rollout batch each)
     lr: float = 1e-4  # AdamW learning rate, after warm-up
+    norm_lr_scale: float = 1.0  # lr multiplier for normalization gains (1-D *norm* weights): they set the logit scale
     warmup_steps: int = 0  # linear LR warm-up steps
+    lr_schedule: str = "constant"  # after warm-up: "constant" | "linear" (to 0 at trainer.steps) | "cosine" (to 0)
     weight_decay: float = 0.0  # AdamW weight decay
     betas: list[float] = field(default_factory=lambda: [0.9, 0.99])  # AdamW betas
     max_grad_norm: float = 1.0  # gradient clipping threshold (global L2 norm)
@@ -121,6 +123,9 @@ class TrainerConfig:
         _require(self.micro_batch_size >= 1, "trainer.micro_batch_size", "must be >= 1")
         _require(self.micro_batch_tokens >= 0, "trainer.micro_batch_tokens", "must be >= 0 (0 = no token cap)")
         _require(self.logprob_chunk_tokens >= 1, "trainer.logprob_chunk_tokens", "must be >= 1")
+        _require(self.lr_schedule in ("constant", "linear", "cosine"), "trainer.lr_schedule",
+                 f"'{self.lr_schedule}' is not one of constant, linear, cosine")
+        _require(self.norm_lr_scale > 0, "trainer.norm_lr_scale", "must be > 0")
         _require(len(self.betas) == 2, "trainer.betas", "must be two numbers, e.g. [0.9,0.99]")
         _require(self.max_grad_norm > 0, "trainer.max_grad_norm", "must be > 0")
         _require(self.threads >= 0, "trainer.threads", "must be >= 0 (0 = all cores)")

@@ -107,10 +107,10 @@ def run(cfg: TrainConfig, run_dir: Path) -> int:
                           show_progress=cfg.logging.verbose_libraries)
 
     eval_every = cfg.eval.every or t_cfg.steps
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=t_cfg.lr, betas=tuple(t_cfg.betas),
-                                  weight_decay=t_cfg.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / t_cfg.warmup_steps) if t_cfg.warmup_steps else 1.0)
+    optimizer = torch.optim.AdamW(param_groups(policy, t_cfg.lr, t_cfg.norm_lr_scale), lr=t_cfg.lr,
+                                  betas=tuple(t_cfg.betas), weight_decay=t_cfg.weight_decay)
+    schedule = LR_SCHEDULES[t_cfg.lr_schedule]
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: schedule(s, t_cfg.warmup_steps, t_cfg.steps))
     loss_fn = grpo.LOSSES[t_cfg.loss]
     order = random.Random(t_cfg.seed).sample(range(len(train_rows)), len(train_rows))
     position = 0  # index into `order` of the next prompt
@@ -431,6 +431,45 @@ def push_check(engine: Any, policy: Any, sequences: list[list[int]], prompt_lens
         raise RuntimeError(f"the rollout engine holds stale weights: its logprobs differ from the trainer's by "
                            f"{worst:.2e} (> rollout.push_check_tol={tol:g}) after a weight push")
     return worst
+
+
+def constant_lr(index: int, warmup: int, total: int) -> float:
+    """LR factor of optimizer step `index` (0-based): linear warm-up over `warmup` steps, then 1."""
+    return min(1.0, (index + 1) / warmup) if warmup else 1.0
+
+
+def linear_lr(index: int, warmup: int, total: int) -> float:
+    """Warm-up, then a straight line from 1 down to 0 at step `total` (the last step gets 1/(total-warmup))."""
+    if index < warmup:
+        return constant_lr(index, warmup, total)
+    return max(0.0, (total - index) / max(total - warmup, 1))
+
+
+def cosine_lr(index: int, warmup: int, total: int) -> float:
+    """Warm-up, then half a cosine from 1 down to 0 at step `total`."""
+    if index < warmup:
+        return constant_lr(index, warmup, total)
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, (index - warmup) / max(total - warmup, 1))))
+
+
+# trainer.lr_schedule picks one by name. On resume with a larger trainer.steps the decay stretches to the new end.
+LR_SCHEDULES = {"constant": constant_lr, "linear": linear_lr, "cosine": cosine_lr}
+
+
+def param_groups(model: Any, lr: float, norm_lr_scale: float) -> list[dict[str, Any]]:
+    """AdamW groups: normalization gains (1-D weights named *norm*) at `lr * norm_lr_scale`, the rest at `lr`.
+
+    Why: Adam moves every weight by about lr a step, whatever its gradient's size. A
+    norm gain of ~1 that has to change by ~50% (e.g. to sharpen the output distribution,
+    as the final norm sets the logits' scale) then needs thousands of steps at a learning
+    rate that is safe for the matrices.
+    """
+    if norm_lr_scale == 1.0:
+        return [{"params": list(model.parameters()), "lr": lr}]  # one group: trainer states stay as before
+    norms, rest = [], []
+    for name, param in model.named_parameters():
+        (norms if param.ndim == 1 and "norm" in name.lower() else rest).append(param)
+    return [{"params": rest, "lr": lr}, {"params": norms, "lr": lr * norm_lr_scale}]
 
 
 def make_micro_batches(lengths: list[int], max_seqs: int, max_tokens: int = 0) -> list[list[int]]:

@@ -1,0 +1,91 @@
+"""Helpers of the training loop: micro-batching (make_micro_batches) and optimizer groups (param_groups)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from grpo_cli.train import make_micro_batches
+
+
+def test_every_sequence_lands_in_exactly_one_pass_shortest_first():
+    lengths = [50, 10, 30, 10, 70, 20]
+    batches = make_micro_batches(lengths, max_seqs=2)
+    assert sorted(j for b in batches for j in b) == list(range(6))
+    assert [[lengths[j] for j in b] for b in batches] == [[10, 10], [20, 30], [50, 70]]
+
+
+def test_token_cap_bounds_rows_times_longest_row():
+    rng = random.Random(0)
+    lengths = [rng.randint(20, 200) for _ in range(64)]
+    batches = make_micro_batches(lengths, max_seqs=64, max_tokens=1024)
+    assert sorted(j for b in batches for j in b) == list(range(64))
+    for b in batches:
+        assert len(b) * max(lengths[j] for j in b) <= 1024
+    # sorted and capped: far less padding than 4 passes of 16 in arrival order
+    padded = sum(len(b) * max(lengths[j] for j in b) for b in batches)
+    arrival = sum(16 * max(lengths[i:i + 16]) for i in range(0, 64, 16))
+    assert padded < 0.8 * arrival
+
+
+def test_a_sequence_longer_than_the_token_cap_gets_its_own_pass():
+    batches = make_micro_batches([5, 400, 6], max_seqs=8, max_tokens=100)
+    assert batches == [[0, 2], [1]]
+
+
+@pytest.mark.parametrize("max_seqs", [1, 3])
+def test_sequence_cap_without_token_cap(max_seqs):
+    batches = make_micro_batches(list(range(10, 0, -1)), max_seqs=max_seqs)
+    assert all(len(b) <= max_seqs for b in batches)
+    assert len(batches) == -(-10 // max_seqs)
+
+
+def test_param_groups_put_norm_gains_at_the_scaled_lr():
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from grpo_cli.train import param_groups
+
+    model = Qwen2ForCausalLM(Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=2, vocab_size=64))
+    everything = {id(p) for p in model.parameters()}
+    (single,) = param_groups(model, 1e-3, 1.0)
+    assert {id(p) for p in single["params"]} == everything and single["lr"] == 1e-3
+
+    rest, norms = param_groups(model, 1e-3, 10.0)
+    assert {id(p) for p in rest["params"]} | {id(p) for p in norms["params"]} == everything
+    assert not {id(p) for p in rest["params"]} & {id(p) for p in norms["params"]}
+    norm_names = {n for n, p in model.named_parameters() if id(p) in {id(q) for q in norms["params"]}}
+    assert norm_names == {"model.norm.weight"} | {f"model.layers.{i}.{k}.weight" for i in range(2)
+                                                  for k in ("input_layernorm", "post_attention_layernorm")}
+    assert norms["lr"] == pytest.approx(1e-2) and rest["lr"] == 1e-3
+    # the warm-up schedule scales both groups alike
+    opt = torch.optim.AdamW([rest, norms])
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5)
+    assert [g["lr"] for g in opt.param_groups] == pytest.approx([5e-4, 5e-3])
+    assert sched.get_last_lr()[0] == pytest.approx(5e-4)
+
+
+def test_lr_schedules_warm_up_then_hold_or_decay_to_zero():
+    from grpo_cli.train import LR_SCHEDULES
+
+    total, warmup = 100, 10
+    for name, fn in LR_SCHEDULES.items():
+        factors = [fn(i, warmup, total) for i in range(total)]
+        assert factors[:warmup] == pytest.approx([(i + 1) / warmup for i in range(warmup)]), name
+        assert factors[warmup] == pytest.approx(1.0), name
+        assert all(a >= b for a, b in zip(factors[warmup:], factors[warmup + 1:])), name  # never rises after warm-up
+    assert LR_SCHEDULES["constant"](99, warmup, total) == 1.0
+    assert LR_SCHEDULES["linear"](99, warmup, total) == pytest.approx(1 / 90)
+    assert LR_SCHEDULES["linear"](55, warmup, total) == pytest.approx(0.5)
+    assert LR_SCHEDULES["cosine"](55, warmup, total) == pytest.approx(0.5)
+    assert LR_SCHEDULES["cosine"](99, warmup, total) < 0.001
+    assert LR_SCHEDULES["linear"](0, 0, 1) == 1.0  # a one-step run still takes its step
+
+
+def test_unknown_lr_schedule_is_a_config_error():
+    from grpo_cli.cli import UsageError, load_config
+
+    with pytest.raises(UsageError, match="lr_schedule"):
+        load_config("train", ["recipe=bike_pricing", "trainer.lr_schedule=exp"])

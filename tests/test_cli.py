@@ -186,3 +186,14 @@ def test_cwd_is_not_changed(tmp_path):
     assert "does not exist" in (run_dir / "train.log").read_text()  # the error is in the run's log too
     # the run wrote nothing into the working directory besides output_dir
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bike_pricing"]
+
+
+def test_load_config_builds_the_typed_config_the_cli_would():
+    from grpo_cli.cli import UsageError, load_config
+    from grpo_cli.config import TrainConfig
+
+    cfg = load_config("train", ["recipe=bike_pricing", "rollout.group_size=16"])
+    assert isinstance(cfg, TrainConfig)
+    assert cfg.rollout.group_size == 16 and cfg.task == "bike_pricing"
+    with pytest.raises(UsageError, match="did you mean 'trainer.lr'"):
+        load_config("train", ["recipe=bike_pricing", "trainer.lrr=1"])

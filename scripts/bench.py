@@ -102,12 +102,18 @@ def peak_rss_bytes() -> int:
 # ---------------------------------------------------------------------------- ours: `grpo train`
 
 
+# TRL's optimizer settings: one lr for every weight, constant after warm-up (the recipe's norm-gain
+# lr and cosine decay change what is learned, not what a step costs).
+SAME_OPTIMIZER = ["trainer.norm_lr_scale=1", "trainer.lr_schedule=constant"]
+
+
 def run_ours(overrides: list[str], steps: int, warmup: int, timeout_s: int = 1800) -> dict[str, Any]:
     """`grpo train` on the recipe, `warmup + steps` steps; per-step timings come from its metrics.jsonl."""
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [str(Path(sys.executable).parent / "grpo"), "train", f"recipe={RECIPE}",
                f"trainer.steps={warmup + steps}", "eval.every=0", "eval.num_problems=8",
-               "checkpoint.every=0", "logging.samples_every=0", f"output_dir={tmp}", *overrides]
+               "checkpoint.every=0", "logging.samples_every=0", f"output_dir={tmp}",
+               *SAME_OPTIMIZER, *overrides]
         started = time.time()
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=ROOT)
         wall = time.time() - started
@@ -121,7 +127,7 @@ def run_ours(overrides: list[str], steps: int, warmup: int, timeout_s: int = 180
     phases = ("generate", "reward", "logprobs", "update", "push")
     total = sum(m["time/step"] for m in steps_m)
     return {
-        "command": " ".join(["grpo", *cmd[1:-1 - len(overrides)], *overrides]),
+        "command": " ".join(["grpo", *[c for c in cmd[1:] if not c.startswith("output_dir=")]]),
         "step_s": spread([m["time/step"] for m in steps_m]),
         "gen_tokens_per_s": sum(m["completion_len/mean"] * m["samples"] for m in steps_m) / total,
         "rollout_tokens_per_s": spread([m["tokens_per_s"] for m in steps_m]),
@@ -471,7 +477,7 @@ def print_report(report: dict[str, Any]) -> None:
                  f"{min(trl_steps):.2f}-{max(trl_steps):.2f}", t_tps,
                  statistics.mean(r["early_correct"] for r in c["trl"]), t_med / o_med]]
         say("\n" + table("Same workload (recipe bike_pricing), median s/step per round; speed-up = TRL s/step / ours",
-                         ["trainer", "s/step", "round medians", "gen tok/s", "step 1-3 correct", "speed-up"], rows))
+                         ["trainer", "s/step", "round medians", "generated tok/step-s", "step 1-3 correct", "speed-up"], rows))
         if "bounds" in report:
             say(fairness(report))
         say(c["trl_vllm"])
@@ -498,7 +504,7 @@ def print_report(report: dict[str, Any]) -> None:
         rows = [[f"{s['key'].split('.')[-1]}={s['value']}", s["step_s"]["median"], s["gen_tokens_per_s"],
                  s["train_tokens_per_s"], s["mean_length"]] for s in report["scaling"]]
         say("\n" + table("Scaling (grpo train, other settings from the recipe)",
-                         ["setting", "s/step", "gen tok/s", "train tok/s", "mean length"], rows))
+                         ["setting", "s/step", "generated tok/step-s", "train tok/s", "mean length"], rows))
     if "memory" in report:
         rows = [[m["tokens"], m["vocab"], m["impl"], m["peak_bytes"] / mib, m["full_logits_bytes"] / mib, m["seconds"]]
                 for m in report["memory"]]

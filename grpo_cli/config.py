@@ -123,8 +123,10 @@ class TrainerConfig:
         _require(self.micro_batch_size >= 1, "trainer.micro_batch_size", "must be >= 1")
         _require(self.micro_batch_tokens >= 0, "trainer.micro_batch_tokens", "must be >= 0 (0 = no token cap)")
         _require(self.logprob_chunk_tokens >= 1, "trainer.logprob_chunk_tokens", "must be >= 1")
-        _require(self.lr_schedule in ("constant", "linear", "cosine"), "trainer.lr_schedule",
-                 f"'{self.lr_schedule}' is not one of constant, linear, cosine")
+        from grpo_cli.train import LR_SCHEDULES  # the table itself (train.py imports no torch at module level)
+
+        _require(self.lr_schedule in LR_SCHEDULES, "trainer.lr_schedule",
+                 f"'{self.lr_schedule}' is not one of {', '.join(LR_SCHEDULES)}")
         _require(self.norm_lr_scale > 0, "trainer.norm_lr_scale", "must be > 0")
         _require(len(self.betas) == 2, "trainer.betas", "must be two numbers, e.g. [0.9,0.99]")
         _require(self.max_grad_norm > 0, "trainer.max_grad_norm", "must be > 0")

@@ -1,4 +1,4 @@
-"""Helpers of the training loop: micro-batching (make_micro_batches) and optimizer groups (param_groups)."""
+"""Helpers of the training loop: micro-batching (make_micro_batches), optimizer groups (param_groups), lr schedules."""
 
 from __future__ import annotations
 

@@ -128,6 +128,8 @@ class TrainerConfig:
         _require(self.lr_schedule in LR_SCHEDULES, "trainer.lr_schedule",
                  f"'{self.lr_schedule}' is not one of {', '.join(LR_SCHEDULES)}")
         _require(self.norm_lr_scale > 0, "trainer.norm_lr_scale", "must be > 0")
+        # The names of grpo_cli.grpo.LOSSES, spelled out: that module imports torch (tests/test_config.py ties the two).
+        _require(self.loss in ("grpo", "token_mean"), "trainer.loss", f"'{self.loss}' is not one of grpo, token_mean")
         _require(len(self.betas) == 2, "trainer.betas", "must be two numbers, e.g. [0.9,0.99]")
         _require(self.max_grad_norm > 0, "trainer.max_grad_norm", "must be > 0")
         _require(self.threads >= 0, "trainer.threads", "must be >= 0 (0 = all cores)")

@@ -41,6 +41,7 @@ def test_defaults_validate():
         (lambda: TrainerConfig(clip_eps=1.5), "trainer.clip_eps"),
         (lambda: TrainerConfig(kl_coef=-1.0), "trainer.kl_coef"),
         (lambda: TrainerConfig(betas=[0.9]), "trainer.betas"),
+        (lambda: TrainerConfig(loss="tokenmean"), "trainer.loss"),
         (lambda: TrainConfig(task="t"), "rewards"),
         (lambda: TrainConfig(task="t", rewards=[RewardSpec(name="correct")],
                              eval=schema.EvalConfig(num_problems=10_000)), "eval.num_problems"),
@@ -50,3 +51,12 @@ def test_bad_values_name_the_full_key(build, key):
     with pytest.raises(ConfigError) as err:
         build()
     assert str(err.value).startswith(f"{key}:")
+
+
+def test_trainer_loss_accepts_exactly_the_losses_table():
+    from grpo_cli.grpo import LOSSES
+
+    for name in LOSSES:
+        assert TrainerConfig(loss=name).loss == name
+    accepted = re.search(r"is not one of (.*)$", str(pytest.raises(ConfigError, TrainerConfig, loss="x").value))
+    assert sorted(accepted.group(1).split(", ")) == sorted(LOSSES)

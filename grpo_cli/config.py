@@ -106,8 +106,8 @@ class TrainerConfig:
     reward_round_decimals: int | None = None  # round summed rewards before normalising (damps noise in graded rewards)
     filter_zero_variance: bool = False  # drop groups whose rewards are all equal from the loss
     loss: str = "grpo"  # loss aggregation, picked from grpo_cli.grpo.LOSSES: "grpo" (per-sequence mean) | "token_mean"
-    micro_batch_size: int = 16  # at most this many sequences per forward/backward pass (memory knob, not a math knob)
-    micro_batch_tokens: int = 0  # and at most this many padded tokens per pass (0 = no token cap); memory knob too
+    micro_batch_size: int = 16  # at most this many completions per forward/backward pass (memory knob, not a math knob)
+    micro_batch_tokens: int = 0  # and at most this many padded completion tokens per pass (0 = no cap); memory knob too
     logprob_chunk_tokens: int = 1024  # tokens per logits chunk when computing logprobs; bounds the [tokens, vocab] buffer
     threads: int = 0  # torch CPU threads for the trainer; 0 = all cores
     seed: int = 0  # run seed: prompt order, sampling, init of anything random

@@ -182,29 +182,32 @@ def run(cfg: TrainConfig, run_dir: Path) -> int:
                 keep = ~(all_correct | all_wrong)  # [P]
             timings["reward"] = time.time() - tick
 
-            # --- the token batch of kept groups: prompt + completion, one row per sample
-            sequences, prompt_lens, seq_adv, seq_sampling_lp = [], [], [], []
-            for p in range(P):
-                if not keep[p]:
-                    continue
+            # --- the token batch of kept groups: each prompt once [P', Tp], each completion a row [b, Tc]
+            kept = [p for p in range(P) if keep[p]]
+            completions_kept, prompt_index, seq_adv, seq_sampling_lp = [], [], [], []
+            for slot, p in enumerate(kept):
                 for g in range(G):
-                    sequences.append(prompt_ids[p] + rollouts.completion_ids[p][g])
-                    prompt_lens.append(len(prompt_ids[p]))
+                    completions_kept.append(rollouts.completion_ids[p][g])
+                    prompt_index.append(slot)  # row of its prompt in the prompt batch
                     seq_adv.append(float(advantages[p, g]))
                     seq_sampling_lp.append(rollouts.sampling_logprobs[p][g])
-            micro_batches = make_micro_batches([len(s) for s in sequences], t_cfg.micro_batch_size,
-                                               t_cfg.micro_batch_tokens)  # sequence indices, length-sorted
-            # padded once, used by the reference pass and the update: ids [b, T], attn [b, T], mask [b, T-1]
-            padded = [_pad(sequences, prompt_lens, mb, tokenizer.pad_token_id) for mb in micro_batches]
+            prompt_batch = _pad_rows([prompt_ids[p] for p in kept], tokenizer.pad_token_id)  # [P', Tp] x 2
+            micro_batches = make_micro_batches([len(c) for c in completions_kept], t_cfg.micro_batch_size,
+                                               t_cfg.micro_batch_tokens)  # completion indices, length-sorted
+            # padded once, used by the reference pass and the update: prompt rows [b], ids [b, Tc], mask [b, Tc]
+            passes = [(torch.tensor([prompt_index[j] for j in mb]),
+                       *_pad_rows([completions_kept[j] for j in mb], tokenizer.pad_token_id)) for mb in micro_batches]
 
-            # --- reference logprobs (no grad), micro-batch by micro-batch
+            # --- reference logprobs (no grad): the prompts once, then micro-batch by micro-batch
             tick = time.time()
-            ref_lps: list[Any] = [None] * len(micro_batches)
-            if ref_model is not None:
+            ref_lps: list[Any] = [None] * len(passes)
+            if ref_model is not None and passes:
                 with torch.no_grad():
-                    for i, (ids, attn, _) in enumerate(padded):
-                        ref_lps[i] = grpo.token_logprobs(ref_model, ids, attn, t_cfg.logprob_chunk_tokens,
-                                                         temperature=r_cfg.temperature)  # [b, T-1]
+                    ref_prompts = grpo.prompt_states(ref_model, *prompt_batch)
+                    for i, (index, ids, mask) in enumerate(passes):
+                        ref_lps[i] = grpo.completion_logprobs(ref_model, ref_prompts, index, ids, mask,
+                                                              t_cfg.logprob_chunk_tokens,
+                                                              temperature=r_cfg.temperature)  # [b, Tc]
             timings["logprobs"] = time.time() - tick
 
             # --- the update: clipped surrogate + kl_coef * KL, accumulated over micro-batches
@@ -212,14 +215,17 @@ def run(cfg: TrainConfig, run_dir: Path) -> int:
             optimizer.zero_grad(set_to_none=True)
             # Every micro-batch loss is divided by the full batch's normalizer, so their gradients add up
             # to the full-batch loss's (sequences for "grpo", completion tokens for "token_mean").
-            normalizer = grpo.NORMALIZERS[t_cfg.loss](_pad(sequences, prompt_lens, list(range(len(sequences))),
-                                                           tokenizer.pad_token_id)[2]) if sequences else 1.0
+            normalizer = grpo.NORMALIZERS[t_cfg.loss](
+                _pad_rows(completions_kept, tokenizer.pad_token_id)[1]) if passes else 1.0
             totals: dict[str, float] = {"loss": 0.0}
             stat_tokens = 0.0
             mismatch_sum, mismatch_tokens = 0.0, 0
-            for i, (mb, (ids, attn, mask)) in enumerate(zip(micro_batches, padded)):
-                logps = grpo.token_logprobs(policy, ids, attn, t_cfg.logprob_chunk_tokens,
-                                            temperature=r_cfg.temperature)  # [b, T-1]
+            if passes:
+                prompts = grpo.prompt_states(policy, *prompt_batch)  # with autograd: backward once, at the end
+                leaves = grpo.prompt_leaves(prompts)  # collect the prompts' gradient over the micro-batches
+            for i, (mb, (index, ids, mask)) in enumerate(zip(micro_batches, passes)):
+                logps = grpo.completion_logprobs(policy, leaves, index, ids, mask, t_cfg.logprob_chunk_tokens,
+                                                 temperature=r_cfg.temperature)  # [b, Tc]
                 adv = torch.tensor([seq_adv[j] for j in mb])[:, None]  # [b, 1]
                 loss, stats = loss_fn(logps, logps.detach(), ref_lps[i], adv, mask, clip_eps=t_cfg.clip_eps,
                                       clip_eps_high=t_cfg.clip_eps_high, kl_coef=t_cfg.kl_coef, normalizer=normalizer)
@@ -229,9 +235,11 @@ def run(cfg: TrainConfig, run_dir: Path) -> int:
                     totals[k] = totals.get(k, 0.0) + stats[k] * stats["tokens"]
                 stat_tokens += stats["tokens"]
                 # train/inference mismatch: the engine's sampling logprobs vs the trainer's, same tokens
-                sampled = _completion_values(seq_sampling_lp, mb, mask)  # [b, T-1]
+                sampled = _pad_values([seq_sampling_lp[j] for j in mb], mask)  # [b, Tc]
                 mismatch_sum += float(((logps.detach() - sampled).abs() * mask).sum())
                 mismatch_tokens += int(mask.sum())
+            if passes:
+                grpo.prompt_backward(prompts, leaves)  # the prompts' share of the gradient
             for k in ("kl", "clip_frac", "ratio"):
                 totals[k] = totals.get(k, 0.0) / max(stat_tokens, 1.0)
             grad_norm = float(torch.nn.utils.clip_grad_norm_(policy.parameters(), t_cfg.max_grad_norm))
@@ -252,13 +260,15 @@ def run(cfg: TrainConfig, run_dir: Path) -> int:
             tick = time.time()
             engine.push_weights(policy.state_dict().items())
             timings["push"] = time.time() - tick
-            if r_cfg.push_check_every and step % r_cfg.push_check_every == 0 and sequences:
-                totals["push_check/max_abs_diff"] = push_check(engine, policy, sequences[:PROBE_SEQUENCES],
-                                                               prompt_lens[:PROBE_SEQUENCES], r_cfg.push_check_tol)
+            if r_cfg.push_check_every and step % r_cfg.push_check_every == 0 and passes:
+                probe = [prompt_ids[kept[prompt_index[j]]] for j in range(min(PROBE_SEQUENCES, len(prompt_index)))]
+                totals["push_check/max_abs_diff"] = push_check(
+                    engine, policy, [ids + completions_kept[j] for j, ids in enumerate(probe)],
+                    [len(ids) for ids in probe], r_cfg.push_check_tol)
 
             # --- log
             lengths = [len(c) for group in rollouts.completion_ids for c in group]
-            train_tokens = sum(len(s) for s in sequences)
+            train_tokens = sum(len(prompt_ids[kept[prompt_index[j]]]) + len(c) for j, c in enumerate(completions_kept))
             step_time = sum(timings.values())
             metrics: dict[str, Any] = {
                 "step": step,
@@ -281,7 +291,7 @@ def run(cfg: TrainConfig, run_dir: Path) -> int:
                 "mismatch/mean_abs_logprob": mismatch_sum / max(mismatch_tokens, 1),
                 "samples": len(completions),
                 "tokens_per_s": rollouts.num_tokens / max(timings["generate"], 1e-9),
-                "train_tokens": train_tokens,  # prompt + completion tokens through the reference pass and update
+                "train_tokens": train_tokens,  # kept samples' prompt + completion tokens (each prompt runs once)
                 "train_tokens_per_s": train_tokens / max(timings["logprobs"] + timings["update"], 1e-9),
                 **{f"time/{k}": v for k, v in timings.items()},
                 "time/step": step_time,
@@ -493,28 +503,24 @@ def make_micro_batches(lengths: list[int], max_seqs: int, max_tokens: int = 0) -
     return batches
 
 
-def _pad(sequences: list[list[int]], prompt_lens: list[int], idx: list[int], pad_id: int) -> tuple[Any, Any, Any]:
-    """Right-padded ids [b, T], attention mask [b, T], completion mask over next-token positions [b, T-1]."""
+def _pad_rows(rows: list[list[int]], pad_id: int) -> tuple[Any, Any]:
+    """Right-padded ids [n, T] and their float mask [n, T] (1 on real tokens); T is at least 1."""
     import torch
 
-    width = max(len(sequences[j]) for j in idx)
-    ids = torch.full((len(idx), width), pad_id, dtype=torch.long)  # [b, T]
-    attn = torch.zeros((len(idx), width), dtype=torch.long)  # [b, T]
-    mask = torch.zeros((len(idx), width - 1), dtype=torch.float32)  # [b, T-1]
-    for row, j in enumerate(idx):
-        seq = sequences[j]
-        ids[row, : len(seq)] = torch.tensor(seq)
-        attn[row, : len(seq)] = 1
-        mask[row, prompt_lens[j] - 1: len(seq) - 1] = 1.0  # position t predicts token t+1
-    return ids, attn, mask
+    width = max([1, *map(len, rows)])
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)  # [n, T]
+    mask = torch.zeros((len(rows), width), dtype=torch.float32)  # [n, T]
+    for i, row in enumerate(rows):
+        ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+        mask[i, : len(row)] = 1.0
+    return ids, mask
 
 
-def _completion_values(values: list[list[float]], idx: list[int], mask: Any) -> Any:
-    """Per-token values of each completion, placed where `mask` marks completion tokens: [b, T-1]."""
+def _pad_values(values: list[list[float]], mask: Any) -> Any:
+    """Per-token values of each completion, right-padded with 0 like `mask` [b, Tc]."""
     import torch
 
-    out = torch.zeros_like(mask)  # [b, T-1]
-    for row, j in enumerate(idx):
-        where = mask[row].nonzero()[:, 0]  # [T_j]
-        out[row, where] = torch.tensor(values[j][: len(where)], dtype=out.dtype)
+    out = torch.zeros_like(mask)  # [b, Tc]
+    for i, row in enumerate(values):
+        out[i, : len(row)] = torch.tensor(row[: out.shape[1]], dtype=out.dtype)
     return out

@@ -9,10 +9,14 @@ from grpo_cli.grpo import (
     LOSSES,
     NORMALIZERS,
     clipped_surrogate,
+    completion_logprobs,
     group_advantages,
     grpo_loss,
     kl_k3,
     logprobs_from_hidden,
+    prompt_backward,
+    prompt_leaves,
+    prompt_states,
     round_rewards,
     token_logprobs,
     token_logprobs_reference,
@@ -329,6 +333,81 @@ def test_chunked_forward_keeps_no_full_logits_for_backward():
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         torch.log_softmax(hidden @ weight.T, -1)
     assert max(saved) >= B * T * V
+
+
+def _groups():
+    """P=3 prompts of different lengths, G=4 completions each (lengths 1..9), as token lists."""
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(2, 97, (n,), generator=g).tolist() for n in (4, 9, 6)]
+    lengths = torch.randint(1, 10, (3, 4), generator=g).tolist()
+    completions = [[torch.randint(2, 97, (n,), generator=g).tolist() for n in row] for row in lengths]
+    return prompts, completions
+
+
+def _right_padded(rows):
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([r + [0] * (width - len(r)) for r in rows])  # [n, T]
+    mask = torch.tensor([[1.0] * len(r) + [0.0] * (width - len(r)) for r in rows])  # [n, T]
+    return ids, mask
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_shared_prompt_pass_matches_whole_sequences(tie):
+    """Each prompt run once, its completions in two micro-batches: the same logprobs and the same
+    gradient as every whole sequence through token_logprobs."""
+    model = _tiny_model(tie)
+    prompts, completions = _groups()
+    flat = [c for row in completions for c in row]  # [B] completions, row p*G + g
+    index = torch.arange(3).repeat_interleave(4)  # [B] prompt of each completion
+    weights = torch.randn(12, 9, generator=torch.Generator().manual_seed(6))  # [B, Tc_max] any per-token weights
+
+    # whole sequences, right-padded: completion token j of row i sits at position prompt_len - 1 + j
+    full_ids, full_mask = _right_padded([prompts[p] + c for p, row in enumerate(completions) for c in row])
+    whole = token_logprobs(model, full_ids, full_mask.long(), chunk_tokens=7, temperature=0.8)  # [B, T-1]
+    expected = torch.zeros(12, 9)  # [B, Tc_max]
+    for i, c in enumerate(flat):
+        start = len(prompts[index[i]]) - 1
+        expected[i, :len(c)] = whole[i, start:start + len(c)]
+    loss = sum((whole[i, len(prompts[index[i]]) - 1:][:len(c)] * weights[i, :len(c)]).sum()
+               for i, c in enumerate(flat))
+    loss.backward()
+    expected_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+
+    prompt_ids, prompt_mask = _right_padded(prompts)
+    states = prompt_states(model, prompt_ids, prompt_mask)
+    leaves = prompt_leaves(states)
+    got = torch.zeros(12, 9)
+    for rows in ([0, 5, 9, 2, 11], [1, 3, 4, 6, 7, 8, 10]):  # two micro-batches mixing the groups
+        ids, mask = _right_padded([flat[i] for i in rows])
+        out = completion_logprobs(model, leaves, index[rows], ids, mask, chunk_tokens=7, temperature=0.8)  # [b, Tc]
+        assert out.shape == ids.shape
+        (out * mask * weights[rows, :ids.shape[1]]).sum().backward()
+        for k, i in enumerate(rows):
+            got[i, :len(flat[i])] = out[k, :len(flat[i])].detach()
+    prompt_backward(states, leaves)
+
+    torch.testing.assert_close(got, expected.detach(), atol=1e-5, rtol=1e-5)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected_grads[n], atol=1e-5, rtol=1e-4, msg=n)
+
+    with torch.no_grad():  # the reference pass: no leaves, no backward
+        frozen = prompt_states(model, prompt_ids, prompt_mask)
+        ids, mask = _right_padded(flat)
+        out = completion_logprobs(model, frozen, index, ids, mask, temperature=0.8)  # [B, Tc]
+    torch.testing.assert_close(out * mask, expected.detach() * mask, atol=1e-5, rtol=1e-5)
+
+
+def test_shared_prompt_pass_refuses_sliding_window_layers():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen2Config(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, intermediate_size=64, use_sliding_window=True,
+                                      sliding_window=4, max_window_layers=1)
+    model = transformers.Qwen2ForCausalLM(config)
+    assert "sliding_attention" in model.config.layer_types
+    ids, mask = _right_padded([[5, 6, 7]])
+    with pytest.raises(NotImplementedError, match="sliding-window"):
+        prompt_states(model, ids, mask)
 
 
 def test_zero_variance_split_uses_correctness_when_given():

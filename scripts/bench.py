@@ -500,9 +500,10 @@ def print_report(report: dict[str, Any]) -> None:
             rows.append([f"training: plain fwd+bwd, {k} rows/pass", v, "", ""])
         if "compare" in report:
             ours_train = statistics.mean(run["train_tokens_per_s"] for run in report["compare"]["ours"])
-            rows.append(["training: ours (grpo train: logprobs + update)", ours_train, "",
+            rows.append(["training: ours (logprobs + update, each prompt once)", ours_train, "",
                          f"ours/best plain {ours_train / best_plain:.2f}"])
-        say("\n" + table("Our step against its limits (tokens/s)", ["path", "tokens/s", "", "ratio"], rows))
+        say("\n" + table("Our step against its limits (tokens/s; training tokens = prompt + completion of every "
+                         "sample, though ours runs each group's prompt once)", ["path", "tokens/s", "", "ratio"], rows))
     if "compare" in report:
         run = report["compare"]["ours"][-1]
         frac = run["phase_fraction"]

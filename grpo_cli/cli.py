@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from grpo_cli import __version__
+from grpo_cli.errors import UsageError  # also reachable as grpo_cli.cli.UsageError
 
 RECIPE_PATH_ENV = "GRPO_RECIPE_PATH"  # extra recipe directories, separated like PATH
 
@@ -95,10 +96,6 @@ def available_recipes() -> dict[str, Path]:
 
 # ---------------------------------------------------------------------------
 # errors
-
-
-class UsageError(Exception):
-    """A one-line error for the user; printed without a traceback."""
 
 
 def _fail(command: str, message: str, code: int = 2) -> NoReturn:

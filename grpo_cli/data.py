@@ -23,7 +23,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from grpo_cli.cli import UsageError
+from grpo_cli.errors import UsageError
 
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
 

@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from grpo_cli.checkpoint import COMPLETE_MARKER
-from grpo_cli.cli import UsageError
+from grpo_cli.errors import UsageError
 
 RUN_CONFIG = "config.yaml"  # a run's resolved config, written by `grpo train`
 CHECKPOINTS = "checkpoints"  # a run's checkpoint folder

@@ -128,7 +128,7 @@ class WandbLogger:
     """
 
     def __init__(self, cfg: Any, run_dir: Path | str, resolved_config: Any) -> None:
-        from grpo_cli.cli import UsageError
+        from grpo_cli.errors import UsageError
 
         run_dir = Path(run_dir)
         self.mode = wandb_mode()

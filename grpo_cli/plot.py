@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from grpo_cli.cli import UsageError
+from grpo_cli.errors import UsageError
 
 TIME_PARTS = ("generate", "reward", "logprobs", "update", "push")
 TIME_COLORS = ("#66c2a5", "#fc8d62", "#8da0cb", "#e78ac3", "#a6d854")  # a palette apart from the runs' C0, C1, ...

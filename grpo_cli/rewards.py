@@ -26,7 +26,7 @@ from decimal import ROUND_HALF_UP, Decimal, InvalidOperation, localcontext
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from grpo_cli.cli import UsageError
+from grpo_cli.errors import UsageError
 
 RewardFn = Callable[..., list]
 

@@ -28,7 +28,7 @@ PROBE_SEQUENCES = 4  # sequences re-scored by the engine in a push check
 
 def run(cfg: TrainConfig, run_dir: Path) -> int:
     from grpo_cli import data, monitor, rewards
-    from grpo_cli.cli import UsageError
+    from grpo_cli.errors import UsageError
 
     monitor.quiet_third_party(cfg.logging.verbose_libraries)  # before vLLM/datasets/transformers are imported
 
@@ -371,7 +371,7 @@ RESUMABLE_CHANGES = ("resume", "output_dir", "trainer.steps", "logging.", "check
 
 
 def _check_same_run(saved: dict[str, Any], current: dict[str, Any]) -> None:
-    from grpo_cli.cli import UsageError
+    from grpo_cli.errors import UsageError
 
     def flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         out: dict[str, Any] = {}

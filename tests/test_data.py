@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from grpo_cli.cli import UsageError
 from grpo_cli.config import DataConfig
 from grpo_cli.data import load_splits
+from grpo_cli.errors import UsageError
 from grpo_cli.tasks import bike_pricing
 
 GRPO = str(Path(sys.executable).parent / "grpo")

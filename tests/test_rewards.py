@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from grpo_cli.cli import UsageError
 from grpo_cli.config import RewardSpec
+from grpo_cli.errors import UsageError
 from grpo_cli.rewards import (
     BUILTIN_REWARDS,
     RewardFailures,

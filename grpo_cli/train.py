@@ -268,7 +268,7 @@ def run(cfg: TrainConfig, run_dir: Path) -> int:
 
             # --- log
             lengths = [len(c) for group in rollouts.completion_ids for c in group]
-            train_tokens = sum(len(prompt_ids[kept[prompt_index[j]]]) + len(c) for j, c in enumerate(completions_kept))
+            train_tokens = sum(G * len(prompt_ids[p]) for p in kept) + sum(map(len, completions_kept))
             step_time = sum(timings.values())
             metrics: dict[str, Any] = {
                 "step": step,

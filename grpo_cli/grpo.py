@@ -196,11 +196,18 @@ class PromptStates(NamedTuple):
     mask: torch.Tensor  # [P, Tp] 1 on real prompt tokens (right-padded)
 
 
+def shared_prompt_unsupported(config: object) -> str | None:
+    """Why a model (by its transformers config) cannot take the shared prompt pass, or None if it can."""
+    if "sliding_attention" in (getattr(config, "layer_types", None) or []):
+        return (f"{getattr(config, 'model_type', 'this model')} has sliding-window layers; the shared prompt pass "
+                "(grpo.prompt_states) assumes every layer keeps the whole prompt")
+    return None
+
+
 def prompt_states(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> PromptStates:
     """Run the right-padded prompts `[P, Tp]` through the body once (with autograd if it is on)."""
-    if "sliding_attention" in (getattr(model.config, "layer_types", None) or []):
-        raise NotImplementedError(f"{type(model).__name__} has sliding-window layers; the shared prompt pass "
-                                  "(grpo.prompt_states) assumes every layer keeps the whole prompt")
+    if reason := shared_prompt_unsupported(model.config):
+        raise NotImplementedError(reason)
     body, _ = _body_and_head(model)
     out = body(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=_positions(prompt_mask),
                use_cache=True)

@@ -70,6 +70,10 @@ def run(cfg: TrainConfig, run_dir: Path) -> int:
         raise UsageError(f"model.name_or_path: {e}") from None
     tokenizer = load_tokenizer(model_path)
     context = max_model_len(model_path, cfg.model)
+    from transformers import AutoConfig
+
+    if reason := grpo.shared_prompt_unsupported(AutoConfig.from_pretrained(model_path)):  # before any model loads
+        raise UsageError(f"model.name_or_path: {reason}")
 
     def encode(row: dict[str, Any]) -> list[int]:
         return tokenizer(render(row[cfg.data.prompt_column], cfg.data.template, tokenizer),

@@ -176,6 +176,26 @@ def test_run_dirs_are_unique_and_hold_config_overrides_and_log(tmp_path):
     assert not (REPO / "outputs").exists()
 
 
+def test_sliding_window_model_is_refused_before_loading(tmp_path):
+    """The shared prompt pass cannot serve sliding-window layers: a one-line error before any model loads."""
+    import json
+    import shutil
+
+    from grpo_cli.checkpoint import resolve_model_path
+
+    model = tmp_path / "sliding"
+    shutil.copytree(resolve_model_path("builtin:bike_base"), model)
+    config = json.loads((model / "config.json").read_text())
+    config.update(use_sliding_window=True, sliding_window=8,
+                  layer_types=["sliding_attention"] + config["layer_types"][1:])
+    (model / "config.json").write_text(json.dumps(config))
+    out = grpo("train", "recipe=bike_pricing", f"output_dir={tmp_path / 'runs'}", f"model.name_or_path={model}")
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("grpo train: error: model.name_or_path: ") and "sliding-window" in last
+
+
 def test_cwd_is_not_changed(tmp_path):
     out = grpo("train", "recipe=bike_pricing", f"output_dir={tmp_path}", "model.name_or_path=/nonexistent/model",
                cwd=tmp_path)

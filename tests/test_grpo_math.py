@@ -18,6 +18,7 @@ from grpo_cli.grpo import (
     prompt_leaves,
     prompt_states,
     round_rewards,
+    shared_prompt_unsupported,
     token_logprobs,
     token_logprobs_reference,
     token_mean_loss,
@@ -408,6 +409,8 @@ def test_shared_prompt_pass_refuses_sliding_window_layers():
     ids, mask = _right_padded([[5, 6, 7]])
     with pytest.raises(NotImplementedError, match="sliding-window"):
         prompt_states(model, ids, mask)
+    assert "sliding-window" in shared_prompt_unsupported(config)
+    assert shared_prompt_unsupported(_tiny_model(False).config) is None
 
 
 def test_zero_variance_split_uses_correctness_when_given():

@@ -98,6 +98,31 @@ def save_checkpoint(model: Any, tokenizer: Any, path: Path, info: dict[str, Any]
     return path
 
 
+def trainer_state(optimizer: Any, scheduler: Any, cursor: Any, best_pass: float) -> dict[str, Any]:
+    """Everything besides the weights that an exact resume needs: optimizer, lr schedule, prompt
+    order and position, the best held-out pass@1 so far, and the RNG states (tensors and plain types)."""
+    import random
+
+    import torch
+
+    return {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), **cursor.state_dict(),
+            "best_pass": best_pass, "python_rng": random.getstate(), "torch_rng": torch.get_rng_state()}
+
+
+def restore_trainer_state(state: dict[str, Any], optimizer: Any, scheduler: Any, cursor: Any) -> float:
+    """Put a `trainer_state` back in place; returns the best held-out pass@1 it had."""
+    import random
+
+    import torch
+
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    cursor.load_state_dict(state)
+    random.setstate(state["python_rng"])
+    torch.set_rng_state(state["torch_rng"])
+    return state["best_pass"]
+
+
 def is_complete_checkpoint(path: Path) -> bool:
     path = Path(path)
     return (path / COMPLETE_MARKER).is_file() and (path / "config.json").is_file() and any(path.glob("*.safetensors"))

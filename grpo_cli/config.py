@@ -123,7 +123,7 @@ class TrainerConfig:
         _require(self.micro_batch_size >= 1, "trainer.micro_batch_size", "must be >= 1")
         _require(self.micro_batch_tokens >= 0, "trainer.micro_batch_tokens", "must be >= 0 (0 = no token cap)")
         _require(self.logprob_chunk_tokens >= 1, "trainer.logprob_chunk_tokens", "must be >= 1")
-        from grpo_cli.train import LR_SCHEDULES  # the table itself (train.py imports no torch at module level)
+        from grpo_cli.optim import LR_SCHEDULES  # the table itself (optim.py imports no torch at module level)
 
         _require(self.lr_schedule in LR_SCHEDULES, "trainer.lr_schedule",
                  f"'{self.lr_schedule}' is not one of {', '.join(LR_SCHEDULES)}")

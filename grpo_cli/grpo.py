@@ -13,8 +13,9 @@ One training step, in these functions:
     logprobs = completion_logprobs(policy, prompts, prompt_index,
                                    completion_ids, completion_mask)  # [B, Tc], chunked over tokens
     norm = NORMALIZERS[name](completion_mask)                     # full batch, once
-    loss, stats = LOSSES[name](logprobs, logprobs.detach(), ref_logprobs,
-                               advantages.reshape(-1), completion_mask, ..., normalizer=norm)
+    loss, stats = LOSSES[name](LossInputs(logprobs, completion_mask, advantages.reshape(-1),
+                                          ref_logprobs=ref_logprobs, normalizer=norm),
+                               LossParams(clip_eps, clip_eps_high, kl_coef))
 
 `token_logprobs` does the same on whole sequences `[B, T]` (the push check, tests, benchmarks).
 """
@@ -276,22 +277,46 @@ def token_logprobs_reference(
 # ---------------------------------------------------------------------------- the loss
 
 
-def _per_token_terms(logprobs, old_logprobs, ref_logprobs, advantages, completion_mask,
-                     clip_eps, clip_eps_high, kl_coef):
+class LossInputs(NamedTuple):
+    """What a loss reads for one (micro-)batch of b completions; a new term adds a field here,
+    not a parameter to every loss. Fields a loss does not use may be None."""
+
+    logprobs: torch.Tensor  # [b, T] the policy's, with autograd
+    mask: torch.Tensor  # [b, T] 1 on completion tokens, 0 on padding
+    advantages: torch.Tensor  # [b] or [b, 1] one per sequence, shared by its tokens
+    old_logprobs: torch.Tensor | None = None  # [b, T] the policy that sampled the batch; None = logprobs.detach()
+    ref_logprobs: torch.Tensor | None = None  # [b, T] the frozen reference's; None only when kl_coef == 0
+    sampling_logprobs: torch.Tensor | None = None  # [b, T] the rollout engine's at sampling time (kept for
+    #   mismatch corrections; today's losses do not read it)
+    normalizer: float | None = None  # what the summed loss is divided by: the FULL batch's NORMALIZERS[name]
+    #   when this is a micro-batch; None = this batch's own
+
+
+class LossParams(NamedTuple):
+    """The loss's hyperparameters (trainer.clip_eps, trainer.clip_eps_high, trainer.kl_coef)."""
+
+    clip_eps: float = 0.2  # ratio >= 1 - clip_eps
+    clip_eps_high: float | None = None  # ratio <= 1 + clip_eps_high; None = clip_eps (symmetric)
+    kl_coef: float = 0.0  # weight of the k3 KL to the reference
+
+
+DEFAULT_PARAMS = LossParams()  # symmetric clip at 0.2, no KL
+def _per_token_terms(batch: LossInputs, params: LossParams):
     """Shared by every aggregation: the per-token loss and the statistics of one (micro-)batch."""
+    logprobs, ref_logprobs, kl_coef = batch.logprobs, batch.ref_logprobs, params.kl_coef
     if ref_logprobs is None and kl_coef != 0:
         raise ValueError(f"kl_coef={kl_coef} needs ref_logprobs; pass them or set kl_coef=0")
-    mask = completion_mask.bool()  # [B, T]
-    old = logprobs.detach() if old_logprobs is None else old_logprobs  # [B, T]
-    adv = advantages.reshape(-1, 1).to(logprobs.dtype)  # [B, 1]
+    mask = batch.mask.bool()  # [B, T]
+    old = logprobs.detach() if batch.old_logprobs is None else batch.old_logprobs  # [B, T]
+    adv = batch.advantages.reshape(-1, 1).to(logprobs.dtype)  # [B, 1]
     ratio = torch.exp(logprobs - old)  # [B, T]
-    surrogate = clipped_surrogate(ratio, adv, clip_eps, clip_eps_high)  # [B, T]
+    surrogate = clipped_surrogate(ratio, adv, params.clip_eps, params.clip_eps_high)  # [B, T]
     kl = kl_k3(logprobs, ref_logprobs) if ref_logprobs is not None else torch.zeros_like(logprobs)  # [B, T]
     per_token = torch.where(mask, -(surrogate - kl_coef * kl), 0.0)  # [B, T]
 
-    eps_high = clip_eps if clip_eps_high is None else clip_eps_high
+    eps_high = params.clip_eps if params.clip_eps_high is None else params.clip_eps_high
     with torch.no_grad():
-        is_clipped = ((ratio > 1 + eps_high) & (adv > 0)) | ((ratio < 1 - clip_eps) & (adv < 0))  # [B, T]
+        is_clipped = ((ratio > 1 + eps_high) & (adv > 0)) | ((ratio < 1 - params.clip_eps) & (adv < 0))  # [B, T]
         tokens = mask.sum()  # scalar: completion tokens in this batch
         terms = torch.stack([kl, is_clipped.to(kl.dtype), ratio, surrogate])  # [4, B, T]
         means = torch.where(mask, terms, 0.0).sum(dim=(1, 2)) / tokens.clamp(min=1)  # [4]
@@ -300,24 +325,14 @@ def _per_token_terms(logprobs, old_logprobs, ref_logprobs, advantages, completio
     return per_token, mask, stats  # [B, T], [B, T], dict
 
 
-def grpo_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor | None,
-    ref_logprobs: torch.Tensor | None,
-    advantages: torch.Tensor,
-    completion_mask: torch.Tensor,
-    clip_eps: float = 0.2,
-    clip_eps_high: float | None = None,
-    kl_coef: float = 0.0,
-    normalizer: float | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+def grpo_loss(batch: LossInputs, params: LossParams = DEFAULT_PARAMS) -> tuple[torch.Tensor, dict[str, float]]:
     """GRPO's loss: per token `-(clipped_surrogate - kl_coef * kl_k3)`, averaged over each
-    sequence's completion tokens, then over sequences.
+    sequence's completion tokens, then over sequences:
 
-    `logprobs`, `old_logprobs`, `ref_logprobs`, `completion_mask` are `[B, T]`; `advantages`
-    is `[B]` or `[B, 1]`. `old_logprobs=None` means `logprobs.detach()` (one update per
-    rollout batch: the ratio is 1 but carries the gradient of logp). `ref_logprobs` may
-    be None when `kl_coef == 0`.
+        L = -1/N sum_i 1/|o_i| sum_t [min(r_it A_i, clip(r_it, 1-eps, 1+eps_high) A_i) - kl_coef KL_it]
+
+    with `r = exp(logprobs - old_logprobs)`; `old_logprobs=None` means `logprobs.detach()`
+    (one update per rollout batch: the ratio is 1 but carries the gradient of logp).
 
     Why this aggregation: it is the GRPO paper's `1/G sum_i 1/|o_i| sum_t`, so every
     answer weighs the same whatever its length. The known side effect: a token of a short
@@ -325,43 +340,35 @@ def grpo_loss(
     per token when they are long (a length bias). `token_mean_loss` is the DAPO
     alternative that weighs every token equally.
 
-    `normalizer` divides the sum of per-sequence means; default: the B sequences here. For
-    micro-batches pass the FULL batch's `NORMALIZERS["grpo"](full_mask)` (its number of
-    sequences) to each micro-batch and sum (backward) the micro-batch losses as they are;
-    equivalently, with the default, scale each micro-batch loss by `micro_seqs / total_seqs`.
-    A sequence with no completion tokens contributes 0 (its denominator is clamped to 1).
-    Returns the scalar loss and float stats: kl, clip_frac, ratio, surrogate (token means
-    over completion tokens of this batch) and tokens (their count, to weight the means).
+    N is `batch.normalizer`; default: the B sequences here. For micro-batches pass the FULL
+    batch's `NORMALIZERS["grpo"](full_mask)` (its number of sequences) to each micro-batch and
+    sum (backward) the micro-batch losses as they are; equivalently, with the default, scale
+    each micro-batch loss by `micro_seqs / total_seqs`. A sequence with no completion tokens
+    contributes 0 (its denominator is clamped to 1).
+
+    Returns the scalar loss and float stats: every key but `tokens` is a token mean over this
+    batch's completion tokens (kl, clip_frac, ratio, surrogate); `tokens` is their count, the
+    weight that merges micro-batches' means into the batch's.
     """
-    per_token, mask, stats = _per_token_terms(logprobs, old_logprobs, ref_logprobs, advantages,
-                                              completion_mask, clip_eps, clip_eps_high, kl_coef)  # [B, T], [B, T]
+    per_token, mask, stats = _per_token_terms(batch, params)  # [B, T], [B, T]
     per_sequence = per_token.sum(-1) / mask.sum(-1).clamp(min=1)  # [B]
-    denom = grpo_normalizer(completion_mask) if normalizer is None else normalizer
+    denom = grpo_normalizer(batch.mask) if batch.normalizer is None else batch.normalizer
     return per_sequence.sum() / denom, stats  # scalar
 
 
-def token_mean_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor | None,
-    ref_logprobs: torch.Tensor | None,
-    advantages: torch.Tensor,
-    completion_mask: torch.Tensor,
-    clip_eps: float = 0.2,
-    clip_eps_high: float | None = None,
-    kl_coef: float = 0.0,
-    normalizer: float | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+def token_mean_loss(batch: LossInputs, params: LossParams = DEFAULT_PARAMS) -> tuple[torch.Tensor, dict[str, float]]:
     """DAPO's token-level aggregation: the same per-token terms as `grpo_loss`, averaged over
-    all completion tokens of the batch, so long answers weigh in proportion to their length.
+    all completion tokens of the batch, so long answers weigh in proportion to their length:
 
-    `normalizer` divides the sum over tokens; default: the completion tokens here. For
-    micro-batches pass the FULL batch's `NORMALIZERS["token_mean"](full_mask)` (its number of
-    completion tokens) and sum the micro-batch losses; equivalently, with the default,
-    scale each micro-batch loss by `micro_tokens / total_tokens`.
+        L = -1/N sum_i sum_t [min(r_it A_i, clip(r_it, 1-eps, 1+eps_high) A_i) - kl_coef KL_it]
+
+    N is `batch.normalizer`; default: the completion tokens here. For micro-batches pass the
+    FULL batch's `NORMALIZERS["token_mean"](full_mask)` (its number of completion tokens) and
+    sum the micro-batch losses; equivalently, with the default, scale each micro-batch loss by
+    `micro_tokens / total_tokens`. Stats as in `grpo_loss`.
     """
-    per_token, _, stats = _per_token_terms(logprobs, old_logprobs, ref_logprobs, advantages,
-                                           completion_mask, clip_eps, clip_eps_high, kl_coef)  # [B, T]
-    denom = token_mean_normalizer(completion_mask) if normalizer is None else normalizer
+    per_token, _, stats = _per_token_terms(batch, params)  # [B, T]
+    denom = token_mean_normalizer(batch.mask) if batch.normalizer is None else batch.normalizer
     return per_token.sum() / denom, stats  # scalar
 
 
@@ -375,7 +382,7 @@ def token_mean_normalizer(completion_mask: torch.Tensor) -> float:
     return float(max(int(completion_mask.bool().sum().item()), 1))
 
 
-LossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
+LossFn = Callable[[LossInputs, LossParams], tuple[torch.Tensor, dict[str, float]]]
 
 # trainer.loss picks one aggregation by name; variants are separate functions, not branches.
 LOSSES: dict[str, LossFn] = {"grpo": grpo_loss, "token_mean": token_mean_loss}

@@ -33,6 +33,23 @@ TIME_PARTS = ("generate", "reward", "logprobs", "update", "push")  # the step-ti
 TIME_SHORT = {"generate": "gen", "reward": "rew", "logprobs": "lp", "update": "upd", "push": "push"}
 
 
+class StepTimer(dict):
+    """Seconds per phase of a step, `{"generate": 1.0, ...}`: `with timings("update"): ...` times one."""
+
+    def __call__(self, phase: str) -> Any:
+        import contextlib
+
+        @contextlib.contextmanager
+        def timed() -> Any:
+            tick = time.time()
+            try:
+                yield
+            finally:
+                self[phase] = time.time() - tick
+
+        return timed()
+
+
 # ---------------------------------------------------------------------------
 # loggers: log(metrics, step), log_samples(samples, step), close()
 

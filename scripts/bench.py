@@ -366,7 +366,7 @@ def worker_gpu(args: argparse.Namespace) -> dict[str, Any]:
 
     def ours() -> None:
         logp = grpo.token_logprobs(model, ids, attn, chunk_tokens=4096)  # [B, T-1]
-        loss, _ = grpo.grpo_loss(logp, None, None, adv, mask)
+        loss, _ = grpo.grpo_loss(grpo.LossInputs(logp, mask, adv))
         loss.backward()
 
     def plain() -> None:

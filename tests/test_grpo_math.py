@@ -8,6 +8,8 @@ import torch
 from grpo_cli.grpo import (
     LOSSES,
     NORMALIZERS,
+    LossInputs,
+    LossParams,
     clipped_surrogate,
     completion_logprobs,
     group_advantages,
@@ -142,7 +144,7 @@ def test_gradient_step_moves_logprob_with_advantage(name, sign):
     adv = torch.tensor([sign, 0.0])  # only sequence 0 has signal
     before = _logp(logits, targets).detach()
     logp = _logp(logits, targets)
-    loss, stats = LOSSES[name](logp, None, logp.detach(), adv, mask, kl_coef=0.1)
+    loss, stats = LOSSES[name](LossInputs(logp, mask, adv, ref_logprobs=logp.detach()), LossParams(kl_coef=0.1))
     assert stats["ratio"] == pytest.approx(1.0) and stats["clip_frac"] == 0.0 and stats["kl"] == 0.0
     loss.backward()
     with torch.no_grad():
@@ -164,7 +166,8 @@ def test_masked_positions_change_nothing(name):
 
     def run(lp, o, r):
         lp = lp.clone().requires_grad_(True)
-        loss, _ = LOSSES[name](lp, o, r, adv, mask, clip_eps=0.2, kl_coef=0.05)
+        loss, _ = LOSSES[name](LossInputs(lp, mask, adv, old_logprobs=o, ref_logprobs=r),
+                               LossParams(clip_eps=0.2, kl_coef=0.05))
         loss.backward()
         return loss.detach(), lp.grad
 
@@ -180,11 +183,12 @@ def test_masked_positions_change_nothing(name):
 def test_zero_length_completion_gives_no_nan(name):
     logp = (-torch.rand(2, 4)).requires_grad_(True)
     mask = torch.tensor([[0, 0, 0, 0], [0, 1, 1, 0]])
-    loss, stats = LOSSES[name](logp, None, logp.detach() - 0.1, torch.tensor([1.0, 1.0]), mask, kl_coef=0.1)
+    loss, stats = LOSSES[name](LossInputs(logp, mask, torch.tensor([1.0, 1.0]), ref_logprobs=logp.detach() - 0.1),
+                                 LossParams(kl_coef=0.1))
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(logp.grad).all()
     assert all(math.isfinite(v) for v in stats.values())
-    empty, empty_stats = LOSSES[name](logp.detach(), None, None, torch.tensor([1.0, 1.0]), torch.zeros(2, 4))
+    empty, empty_stats = LOSSES[name](LossInputs(logp.detach(), torch.zeros(2, 4), torch.tensor([1.0, 1.0])))
     assert empty.item() == 0.0 and empty_stats["tokens"] == 0.0 and empty_stats["kl"] == 0.0
 
 
@@ -193,8 +197,8 @@ def test_aggregations_differ_on_unequal_lengths():
     logp = torch.zeros(2, 3, requires_grad=True)
     mask = torch.tensor([[1, 0, 0], [1, 1, 1]])
     adv = torch.tensor([1.0, -1.0])
-    per_seq, _ = grpo_loss(logp, None, None, adv, mask)
-    per_tok, _ = token_mean_loss(logp, None, None, adv, mask)
+    per_seq, _ = grpo_loss(LossInputs(logp, mask, adv))
+    per_tok, _ = token_mean_loss(LossInputs(logp, mask, adv))
     assert per_seq.item() == pytest.approx(0.0)  # -(1/1 * 1 + 1/3 * 3 * -1) / 2: each answer weighs the same
     assert per_tok.item() == pytest.approx(0.5)  # -(1 - 3) / 4: each token weighs the same
     (g_seq,) = torch.autograd.grad(per_seq, logp)
@@ -208,17 +212,17 @@ def test_stats_clip_fraction_ratio_and_kl():
     logp = torch.log(torch.tensor([[1.5, 0.5, 1.0], [1.5, 0.5, 1.0]]))  # ratio = [1.5, 0.5, 1.0]
     mask = torch.ones(2, 3)
     adv = torch.tensor([1.0, -1.0])
-    _, stats = grpo_loss(logp, old, old, adv, mask, clip_eps=0.2)
+    _, stats = grpo_loss(LossInputs(logp, mask, adv, old_logprobs=old, ref_logprobs=old), LossParams(clip_eps=0.2))
     assert stats["clip_frac"] == pytest.approx(2 / 6)  # 1.5 with A>0 and 0.5 with A<0
     assert stats["ratio"] == pytest.approx(1.0)
     assert stats["surrogate"] == pytest.approx((1.2 + 0.5 + 1.0 - 1.5 - 0.8 - 1.0) / 6)
     expected_kl = sum(math.exp(-d) + d - 1 for d in (math.log(1.5), math.log(0.5), 0.0)) / 3
     assert stats["kl"] == pytest.approx(expected_kl, rel=1e-5)
     assert stats["tokens"] == 6.0
-    _, wide = grpo_loss(logp, old, None, adv, mask, clip_eps=0.2, clip_eps_high=0.6)
+    _, wide = grpo_loss(LossInputs(logp, mask, adv, old_logprobs=old), LossParams(clip_eps=0.2, clip_eps_high=0.6))
     assert wide["clip_frac"] == pytest.approx(1 / 6)  # clip-higher lets 1.5 through
     with pytest.raises(ValueError, match="ref_logprobs"):
-        grpo_loss(logp, old, None, adv, mask, kl_coef=0.1)
+        grpo_loss(LossInputs(logp, mask, adv, old_logprobs=old), LossParams(kl_coef=0.1))
 
 
 @pytest.mark.parametrize("name", ["grpo", "token_mean"])
@@ -231,20 +235,21 @@ def test_micro_batches_add_up_to_the_full_batch(name):
     lengths = torch.tensor([1, 7, 3, 0, 5, 2])
     mask = (torch.arange(T)[None] < lengths[:, None]).long()  # [B, T]
     adv = torch.randn(B, generator=g)
-    kw = dict(clip_eps=0.2, clip_eps_high=0.28, kl_coef=0.05)
+    params = LossParams(clip_eps=0.2, clip_eps_high=0.28, kl_coef=0.05)
 
     lp = logp_full.clone().requires_grad_(True)
-    full, _ = LOSSES[name](lp, old, ref, adv, mask, **kw)
+    full, _ = LOSSES[name](LossInputs(lp, mask, adv, old, ref), params)
     (full_grad,) = torch.autograd.grad(full, lp)
 
     norm = NORMALIZERS[name](mask)  # from the FULL batch, passed to every micro-batch
     lp = logp_full.clone().requires_grad_(True)
     total, scaled_total = 0.0, 0.0
     for rows in (slice(0, 2), slice(2, 6)):
-        micro, _ = LOSSES[name](lp[rows], old[rows], ref[rows], adv[rows], mask[rows], normalizer=norm, **kw)
+        micro, _ = LOSSES[name](LossInputs(lp[rows], mask[rows], adv[rows], old[rows], ref[rows], normalizer=norm),
+                                params)
         micro.backward()
         total = total + micro.detach()
-        plain, _ = LOSSES[name](lp[rows].detach(), old[rows], ref[rows], adv[rows], mask[rows], **kw)
+        plain, _ = LOSSES[name](LossInputs(lp[rows].detach(), mask[rows], adv[rows], old[rows], ref[rows]), params)
         scaled_total = scaled_total + plain * NORMALIZERS[name](mask[rows]) / norm  # the equivalent scaling
     torch.testing.assert_close(total, full.detach())
     torch.testing.assert_close(scaled_total, full.detach())

@@ -1,4 +1,4 @@
-"""Helpers of the training loop: micro-batching (make_micro_batches), optimizer groups (param_groups), lr schedules."""
+"""Helpers of the training step: micro-batching (batch.make_micro_batches), optimizer groups and lr schedules (optim)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from grpo_cli.train import make_micro_batches
+from grpo_cli.batch import make_micro_batches
 
 
 def test_every_sequence_lands_in_exactly_one_pass_shortest_first():
@@ -45,7 +45,7 @@ def test_param_groups_put_norm_gains_at_the_scaled_lr():
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from grpo_cli.train import param_groups
+    from grpo_cli.optim import param_groups
 
     model = Qwen2ForCausalLM(Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                          num_attention_heads=2, num_key_value_heads=2, vocab_size=64))
@@ -68,7 +68,7 @@ def test_param_groups_put_norm_gains_at_the_scaled_lr():
 
 
 def test_lr_schedules_warm_up_then_hold_or_decay_to_zero():
-    from grpo_cli.train import LR_SCHEDULES
+    from grpo_cli.optim import LR_SCHEDULES
 
     total, warmup = 100, 10
     for name, fn in LR_SCHEDULES.items():

@@ -1,0 +1,75 @@
+"""The one seam for ranks and devices: who this process is, where its tensors live, and the
+few collectives the training loop needs.
+
+At world size 1 (a plain `grpo train`) every collective returns its input and the device
+is the CPU, so the loop never branches on "is this distributed". Under a launcher that sets
+`WORLD_SIZE` > 1 (torchrun), `Dist.init` joins the process group and the same calls become
+real all-reduces and broadcasts over it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Dist:
+    rank: int = 0  # this process's index in the job, 0..world_size-1
+    world_size: int = 1  # processes in the job
+    local_rank: int = 0  # index among the processes on this node (picks the GPU on a CUDA node)
+    device: Any = "cpu"  # torch.device every tensor of the loop is made on
+
+    @classmethod
+    def init(cls, backend: str = "gloo") -> Dist:
+        """This process's place in the job, from the launcher's environment (none: one process on the CPU)."""
+        import torch
+
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        if world_size == 1:
+            return cls(device=torch.device("cpu"))
+        import torch.distributed as torch_dist
+
+        if not torch_dist.is_initialized():
+            torch_dist.init_process_group(backend)
+        return cls(rank=torch_dist.get_rank(), world_size=world_size,
+                   local_rank=int(os.environ.get("LOCAL_RANK", "0")), device=torch.device("cpu"))
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0 writes logs, metrics and checkpoints."""
+        return self.rank == 0
+
+    def sum(self, values: list[float]) -> list[float]:
+        """Element-wise sum of `values` over ranks (float64, so counts and token sums stay exact)."""
+        if self.world_size == 1:
+            return list(values)
+        import torch
+        import torch.distributed as torch_dist
+
+        buffer = torch.tensor(values, dtype=torch.float64)  # [n]
+        torch_dist.all_reduce(buffer, op=torch_dist.ReduceOp.SUM)
+        return buffer.tolist()
+
+    def all(self, flag: bool) -> bool:
+        """True only if `flag` is true on every rank: one decision (e.g. skip a non-finite step) for all."""
+        if self.world_size == 1:
+            return flag
+        return self.sum([0.0 if flag else 1.0])[0] == 0.0
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's `obj` on every rank (picklable objects: a stop request, a resume decision)."""
+        if self.world_size == 1:
+            return obj
+        import torch.distributed as torch_dist
+
+        box = [obj]
+        torch_dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            import torch.distributed as torch_dist
+
+            torch_dist.barrier()

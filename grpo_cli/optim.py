@@ -1,0 +1,63 @@
+"""The optimizer side of a run: AdamW's parameter groups and the learning-rate schedules.
+
+Imports no torch at module level, so `config.py` can validate `trainer.lr_schedule`
+against `LR_SCHEDULES` itself without loading torch (or the training loop).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+
+def constant_lr(index: int, warmup: int, total: int) -> float:
+    """LR factor of optimizer step `index` (0-based): linear warm-up over `warmup` steps, then 1."""
+    return min(1.0, (index + 1) / warmup) if warmup else 1.0
+
+
+def linear_lr(index: int, warmup: int, total: int) -> float:
+    """Warm-up, then a straight line from 1 down to 0 at step `total` (the last step gets 1/(total-warmup))."""
+    if index < warmup:
+        return constant_lr(index, warmup, total)
+    return max(0.0, (total - index) / max(total - warmup, 1))
+
+
+def cosine_lr(index: int, warmup: int, total: int) -> float:
+    """Warm-up, then half a cosine from 1 down to 0 at step `total`."""
+    if index < warmup:
+        return constant_lr(index, warmup, total)
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, (index - warmup) / max(total - warmup, 1))))
+
+
+# trainer.lr_schedule picks one by name. On resume with a larger trainer.steps the decay stretches to the new end.
+LR_SCHEDULES = {"constant": constant_lr, "linear": linear_lr, "cosine": cosine_lr}
+
+
+def param_groups(model: Any, lr: float, norm_lr_scale: float) -> list[dict[str, Any]]:
+    """AdamW groups: normalization gains (1-D weights named *norm*) at `lr * norm_lr_scale`, the rest at `lr`.
+
+    Why: Adam moves every weight by about lr a step, whatever its gradient's size. A
+    norm gain of ~1 that has to change by ~50% (e.g. to sharpen the output distribution,
+    as the final norm sets the logits' scale) then needs thousands of steps at a learning
+    rate that is safe for the matrices.
+    """
+    if norm_lr_scale == 1.0:
+        return [{"params": list(model.parameters()), "lr": lr}]  # one group: trainer states stay as before
+    norms, rest = [], []
+    for name, param in model.named_parameters():
+        (norms if param.ndim == 1 and "norm" in name.lower() else rest).append(param)
+    return [{"params": rest, "lr": lr}, {"params": norms, "lr": lr * norm_lr_scale}]
+
+
+def build_optimizer(model: Any, cfg: Any) -> tuple[Any, Any]:
+    """AdamW over `param_groups` and its schedule: warm-up, then `cfg.lr_schedule` to `cfg.steps`.
+
+    `cfg` is the run's `config.TrainerConfig` (not imported: config imports this module).
+    """
+    import torch
+
+    optimizer = torch.optim.AdamW(param_groups(model, cfg.lr, cfg.norm_lr_scale), lr=cfg.lr,
+                                  betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+    schedule = LR_SCHEDULES[cfg.lr_schedule]
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: schedule(s, cfg.warmup_steps, cfg.steps))
+    return optimizer, scheduler

@@ -1,0 +1,177 @@
+"""Everything before a run's first step: fail at the edge, then torch, the resume point, the models.
+
+`preflight` checks the data, the reward functions, the model files and the prompt lengths
+before any model is loaded, so a bad recipe fails in seconds with one line. `resume_or_start`
+finds where the run starts (a resumed run's newest complete checkpoint, refused if its config
+differs), and `build_models` loads the policy, the frozen reference and the rollout engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from grpo_cli.config import TrainConfig
+from grpo_cli.errors import UsageError
+
+
+@dataclass
+class Task:
+    """What preflight checked: the prompts, the rewards, the model and its tokenizer."""
+
+    train_rows: list[dict[str, Any]]  # the train split, in dataset order
+    heldout_rows: list[dict[str, Any]]  # the fixed held-out split
+    reward_fns: list  # rewards.WeightedReward, in recipe order (the first is the correctness check)
+    model_path: str  # the base model's directory (or hub id): the reference, and the start of a new run
+    tokenizer: Any  # the model's tokenizer (pad token set)
+
+    def encode(self, row: dict[str, Any], cfg: TrainConfig) -> list[int]:
+        """A row's prompt, rendered with data.template, as token ids."""
+        from grpo_cli.prompts import render
+
+        return self.tokenizer(render(row[cfg.data.prompt_column], cfg.data.template, self.tokenizer),
+                              add_special_tokens=False)["input_ids"]
+
+
+def preflight(cfg: TrainConfig) -> Task:
+    """Validate everything a run reads before any model loads; raises UsageError naming the key, file or row."""
+    from grpo_cli import data, rewards
+    from grpo_cli.checkpoint import load_tokenizer, resolve_model_path
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise UsageError(f"WORLD_SIZE={os.environ['WORLD_SIZE']}: training over several processes is not built "
+                         "yet (issue 15); run one process")
+    train_rows, heldout_rows = data.load_splits(cfg.data)
+    reward_fns = rewards.load_rewards(cfg.rewards)
+    rewards.validate_columns(train_rows, reward_fns)
+    rewards.validate_columns(heldout_rows, reward_fns)
+    try:
+        model_path = resolve_model_path(cfg.model.name_or_path)
+    except FileNotFoundError as e:
+        raise UsageError(f"model.name_or_path: {e}") from None
+    from transformers import AutoConfig
+
+    from grpo_cli import grpo
+
+    if reason := grpo.shared_prompt_unsupported(AutoConfig.from_pretrained(model_path)):
+        raise UsageError(f"model.name_or_path: {reason}")
+    task = Task(train_rows, heldout_rows, reward_fns, model_path, load_tokenizer(model_path))
+    check_prompt_lengths(task, cfg)
+    return task
+
+
+def check_prompt_lengths(task: Task, cfg: TrainConfig) -> None:
+    """Every prompt + rollout.max_new_tokens must fit the model's context (vLLM would refuse it mid-run)."""
+    from grpo_cli.prompts import render
+    from grpo_cli.rollout import max_model_len
+
+    context = max_model_len(task.model_path, cfg.model)
+    for name, rows in (("train", task.train_rows), ("held-out", task.heldout_rows)):
+        texts = [render(row[cfg.data.prompt_column], cfg.data.template, task.tokenizer) for row in rows]
+        lengths = [len(ids) for ids in task.tokenizer(texts, add_special_tokens=False)["input_ids"]]
+        worst = max(range(len(rows)), key=lengths.__getitem__)
+        if lengths[worst] + cfg.rollout.max_new_tokens > context:
+            raise UsageError(f"{name} row {worst}: its prompt of {lengths[worst]} tokens + rollout.max_new_tokens="
+                             f"{cfg.rollout.max_new_tokens} exceeds the model's context of {context} tokens; lower "
+                             "rollout.max_new_tokens, set model.max_context_tokens, or drop long prompts")
+
+
+def setup_torch(cfg: TrainConfig) -> None:
+    """Threads, seeds and determinism, before any model or engine exists."""
+    import torch
+
+    t_cfg = cfg.trainer
+    # Threads before the engine starts: vLLM's CPU backend keeps OMP_NUM_THREADS if set (else drops
+    # torch to 1 thread) and then turns torch.set_num_threads into a no-op for the whole process.
+    threads = t_cfg.threads or os.cpu_count() or 1
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    torch.set_num_threads(threads)
+    random.seed(t_cfg.seed)
+    torch.manual_seed(t_cfg.seed)
+    if t_cfg.deterministic:
+        torch.use_deterministic_algorithms(True)
+
+
+@dataclass
+class Start:
+    """Where a run starts: step 0 from the base model, or a resumed run's newest checkpoint."""
+
+    step: int  # the last step already done (0 for a new run)
+    path: str  # the weights the policy (and the engine) load
+    state: dict[str, Any] | None  # the checkpoint's trainer state (None for a new run)
+
+
+def resume_or_start(cfg: TrainConfig, run_dir: Path, model_path: str) -> Start:
+    """The start point; a resume reads its checkpoint (the CLI resolved resume=DIR|auto to run_dir)."""
+    from grpo_cli.checkpoint import load_trainer_state, read_info, step_checkpoints
+
+    if not cfg.resume:
+        return Start(0, model_path, None)
+    path = str(step_checkpoints(run_dir)[-1])
+    info = read_info(Path(path))
+    check_same_run(info["config"], dataclasses.asdict(cfg))
+    if info["step"] >= cfg.trainer.steps:
+        raise UsageError(f"nothing to resume: {path} is at step {info['step']} and trainer.steps="
+                         f"{cfg.trainer.steps}; pass a larger trainer.steps to train further")
+    return Start(info["step"], path, load_trainer_state(Path(path)))
+
+
+@dataclass
+class Models:
+    policy: Any  # the model being trained
+    reference: Any  # the frozen reference for the KL term; None when trainer.kl_coef = 0
+    engine: Any  # the rollout engine (rollout.engine), holding a copy of the policy's weights
+
+
+def build_models(cfg: TrainConfig, task: Task, start: Start, dist: Any) -> Models:
+    """The policy from the start point, the reference from the base model, the engine from the start point."""
+    from grpo_cli.checkpoint import load_policy
+    from grpo_cli.rollout import build_engine
+
+    policy = load_policy(start.path, cfg.model.dtype).to(dist.device)
+    policy.train()
+    policy.config.use_cache = False
+    reference = None
+    if cfg.trainer.kl_coef > 0:
+        reference = load_policy(task.model_path, cfg.model.dtype).to(dist.device).eval().requires_grad_(False)
+    engine = build_engine(cfg.rollout.engine, start.path, cfg.model, cfg.rollout, cfg.trainer.seed, policy,
+                          task.tokenizer, show_progress=cfg.logging.verbose_libraries)
+    return Models(policy, reference, engine)
+
+
+# Keys that may change between a run and its resume; any other difference would make the
+# resumed run a different experiment, so it is refused.
+RESUMABLE_CHANGES = ("resume", "output_dir", "trainer.steps", "logging.", "checkpoint.", "eval.every")
+
+
+def check_same_run(saved: dict[str, Any], current: dict[str, Any]) -> None:
+    def flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k, v in d.items():
+            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+        return out
+
+    a, b = flat(saved), flat(current)
+    changed = [k for k in sorted(set(a) | set(b))
+               if a.get(k) != b.get(k) and not any(k == c or k.startswith(c) for c in RESUMABLE_CHANGES)]
+    if changed:
+        diffs = ", ".join(f"{k} ({a.get(k)!r} -> {b.get(k)!r})" for k in changed[:5])
+        raise UsageError(f"resume: the config differs from the run's: {diffs}; only "
+                         f"{', '.join(RESUMABLE_CHANGES[2:])} may change")
+
+
+def truncate_metrics(path: Path, last_step: int) -> list[dict[str, Any]]:
+    """Keep metrics up to `last_step` (steps logged after the checkpoint are replayed) and return them."""
+    if not path.is_file():
+        return []
+    kept = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    kept = [m for m in kept if m.get("step", 0) <= last_step]
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(json.dumps(m) + "\n" for m in kept))
+    tmp.replace(path)
+    return kept

@@ -1,11 +1,12 @@
-"""The train batch: the kept groups `[P', G]` as padded tensors, split into micro-batches.
+"""The train batch: the kept groups `[P', G]` as padded tensors, in minibatches and micro-batches.
 
-Each kept prompt is one row of `prompt_ids` `[P', Tp]` (it runs through the model once);
-each completion is a row of its micro-batch `[b, Tc]`, with the row of its prompt, its
-advantage and the engine's sampling logprobs. Padded once, on the run's device, and used
-by the reference pass and the update alike. The full batch's loss normalizer is computed
-here, once, and summed over ranks, so every micro-batch (on every rank) divides by the
-same number and the micro-batch gradients add up to the full batch's.
+The kept groups are split into `trainer.minibatches` parts of whole groups, one optimizer
+step each. In a minibatch each prompt is one row of `prompt_ids` `[p, Tp]` (it runs through
+the model once); each completion is a row of a micro-batch `[b, Tc]`, with the row of its
+prompt, its advantage and the engine's sampling logprobs. Padded once, on the run's device,
+and used by the reference pass and every update alike. Each minibatch's loss normalizer is
+computed here, once, and summed over ranks, so every micro-batch (on every rank) divides by
+the same number and the micro-batch gradients add up to the minibatch's.
 """
 
 from __future__ import annotations
@@ -65,12 +66,23 @@ class MicroBatch:
     """One forward/backward pass: b completions, length-sorted."""
 
     rows: list[int]  # the completions' indices in TrainBatch.completions
-    prompt_index: Any  # [b] row of each completion's prompt in TrainBatch.prompt_ids
+    prompt_index: Any  # [b] row of each completion's prompt in its Minibatch.prompt_ids
     ids: Any  # [b, Tc] completion token ids, right-padded
     mask: Any  # [b, Tc] 1 on completion tokens
     advantages: Any  # [b, 1] each completion's advantage
     sampling_logprobs: Any  # [b, Tc] the rollout engine's logprob of each sampled token (0 on padding)
     ref_logprobs: Any = None  # [b, Tc] the frozen reference's, filled in by update.score_logprobs
+    old_logprobs: Any = None  # [b, Tc] the policy's before the first update (only when the ratio can move)
+
+
+@dataclass
+class Minibatch:
+    """The completions of one optimizer step: some of the step's groups, their prompts padded once."""
+
+    prompt_ids: Any  # [p, Tp] this minibatch's prompts, right-padded
+    prompt_mask: Any  # [p, Tp]
+    micro_batches: list[MicroBatch]  # its forward/backward passes
+    normalizer: float  # its loss normalizer (grpo.NORMALIZERS over all its completions), summed over ranks
 
 
 @dataclass
@@ -78,43 +90,70 @@ class TrainBatch:
     """The kept groups of a step, ready for the reference pass and the update."""
 
     prompt_tokens: list[list[int]]  # [P'] the kept prompts' token ids
-    prompt_ids: Any  # [P', Tp] the same, right-padded
-    prompt_mask: Any  # [P', Tp]
-    completions: list[list[int]]  # [P'*G] completion token ids; row slot*G + g is sample g of kept prompt slot
-    prompt_index: list[int]  # [P'*G] row of each completion's prompt
-    micro_batches: list[MicroBatch] = field(default_factory=list)  # empty when no group is kept
-    normalizer: float = 1.0  # the full batch's loss normalizer (grpo.NORMALIZERS), summed over ranks
+    completions: list[list[int]]  # [N] completion token ids that enter the loss, group by group
+    prompt_index: list[int]  # [N] each completion's kept prompt (index into prompt_tokens)
+    group_of: list[tuple[int, int]]  # [N] each completion's (slot, g): its kept prompt and place in the group
+    minibatches: list[Minibatch] = field(default_factory=list)  # trainer.minibatches parts; empty: nothing kept
     train_tokens: int = 0  # prompt tokens x G + completion tokens of the kept groups (each prompt runs once)
 
+    @property
+    def micro_batches(self) -> list[MicroBatch]:
+        """Every pass of every minibatch."""
+        return [mb for part in self.minibatches for mb in part.micro_batches]
+
     @classmethod
-    def build(cls, groups: Any, pad_id: int, cfg: TrainerConfig, dist: Any) -> TrainBatch:
-        import torch
-
-        from grpo_cli import grpo
-
+    def build(cls, groups: Any, pad_id: int, cfg: TrainerConfig, dist: Any, loss_params: Any) -> TrainBatch:
+        """Kept groups -> completions (truncated ones dropped with trainer.mask_truncated) -> minibatches
+        of whole groups -> length-sorted micro-batches, each padded on the run's device."""
         kept, G = groups.kept(), groups.group_size
         rollouts = groups.rollouts
-        advantages = groups.advantages.tolist()  # [P][G] python floats
-        completions = [rollouts.completion_ids[p][g] for p in kept for g in range(G)]  # [P'*G]
-        prompt_index = [slot for slot in range(len(kept)) for _ in range(G)]  # [P'*G]
-        seq_adv = [advantages[p][g] for p in kept for g in range(G)]  # [P'*G]
-        seq_sampling_lp = [rollouts.sampling_logprobs[p][g] for p in kept for g in range(G)]  # [P'*G][Tc_i]
+        group_of = [(slot, g) for slot, p in enumerate(kept) for g in range(G)
+                    if not (cfg.mask_truncated and rollouts.truncated[p][g])]
+        completions = [rollouts.completion_ids[kept[slot]][g] for slot, g in group_of]  # [N]
         prompt_tokens = [groups.prompt_ids[p] for p in kept]
-        prompt_ids, prompt_mask = pad_rows(prompt_tokens, pad_id, dist.device)  # [P', Tp] x 2
-        passes = []
-        for rows in make_micro_batches([len(c) for c in completions], cfg.micro_batch_size, cfg.micro_batch_tokens):
-            ids, mask = pad_rows([completions[j] for j in rows], pad_id, dist.device)  # [b, Tc] x 2
-            passes.append(MicroBatch(
-                rows=rows,
-                prompt_index=torch.tensor([prompt_index[j] for j in rows], device=dist.device),  # [b]
-                ids=ids, mask=mask,
-                advantages=torch.tensor([seq_adv[j] for j in rows], device=dist.device)[:, None],  # [b, 1]
-                sampling_logprobs=pad_values([seq_sampling_lp[j] for j in rows], mask),  # [b, Tc]
-            ))
-        normalizer = 1.0
-        if passes:
-            local = grpo.NORMALIZERS[cfg.loss](pad_rows(completions, pad_id, dist.device)[1])
-            normalizer = dist.sum([local])[0]
-        train_tokens = sum(G * len(ids) for ids in prompt_tokens) + sum(map(len, completions))
-        return cls(prompt_tokens, prompt_ids, prompt_mask, completions, prompt_index, passes, normalizer,
-                   train_tokens)
+        batch = cls(prompt_tokens, completions, [slot for slot, _ in group_of], group_of)
+        batch.train_tokens = sum(G * len(ids) for ids in prompt_tokens) + sum(
+            len(rollouts.completion_ids[p][g]) for p in kept for g in range(G))
+        if not completions:
+            return batch
+        advantages = groups.advantages.tolist()  # [P][G] python floats
+        seq_adv = [advantages[kept[slot]][g] for slot, g in group_of]  # [N]
+        seq_sampling_lp = [rollouts.sampling_logprobs[kept[slot]][g] for slot, g in group_of]  # [N][Tc_i]
+        for slots in _split(len(kept), cfg.minibatches):
+            rows = [j for j, (slot, _) in enumerate(group_of) if slot in slots]
+            batch.minibatches.append(_minibatch(batch, rows, slots, seq_adv, seq_sampling_lp, pad_id, cfg, dist,
+                                                loss_params))
+        return batch
+
+
+def _split(n: int, parts: int) -> list[range]:
+    """0..n-1 in `parts` contiguous ranges of near-equal size (the first ones one longer); none empty."""
+    size, extra = divmod(n, parts)
+    bounds = [i * size + min(i, extra) for i in range(parts + 1)]
+    return [range(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
+
+
+def _minibatch(batch: TrainBatch, rows: list[int], slots: range, seq_adv: list[float],
+               seq_sampling_lp: list[list[float]], pad_id: int, cfg: TrainerConfig, dist: Any,
+               loss_params: Any) -> Minibatch:
+    """One optimizer step's completions `rows` (of prompts `slots`): prompts padded once, micro-batches."""
+    import torch
+
+    from grpo_cli import grpo
+
+    prompt_ids, prompt_mask = pad_rows([batch.prompt_tokens[s] for s in slots], pad_id, dist.device)  # [p, Tp] x 2
+    passes = []
+    for local in make_micro_batches([len(batch.completions[j]) for j in rows], cfg.micro_batch_size,
+                                    cfg.micro_batch_tokens):
+        mb_rows = [rows[i] for i in local]
+        ids, mask = pad_rows([batch.completions[j] for j in mb_rows], pad_id, dist.device)  # [b, Tc] x 2
+        passes.append(MicroBatch(
+            rows=mb_rows,
+            prompt_index=torch.tensor([batch.prompt_index[j] - slots.start for j in mb_rows], device=dist.device),
+            ids=ids, mask=mask,
+            advantages=torch.tensor([seq_adv[j] for j in mb_rows], device=dist.device)[:, None],  # [b, 1]
+            sampling_logprobs=pad_values([seq_sampling_lp[j] for j in mb_rows], mask),  # [b, Tc]
+        ))
+    local_norm = grpo.NORMALIZERS[cfg.loss](pad_rows([batch.completions[j] for j in rows], pad_id, dist.device)[1],
+                                            loss_params)
+    return Minibatch(prompt_ids, prompt_mask, passes, dist.sum([local_norm])[0])

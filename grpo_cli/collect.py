@@ -55,10 +55,11 @@ class Groups:
     scored: Scores  # summed reward and each function's scores, flat [P*G]
     failures: RewardFailures  # reward calls that raised or returned bad values
     reward: Any  # [P, G] summed reward (rounded if trainer.reward_round_decimals)
-    advantages: Any  # [P, G] group-relative advantages
+    advantages: Any  # [P, G] group-relative advantages (trainer.advantage)
     all_correct: Any  # [P] bool: every sample right (no signal)
     all_wrong: Any  # [P] bool: every sample wrong (no signal)
     keep: Any  # [P] bool: groups that enter the loss
+    rounds: int = 1  # sampling rounds it took (dynamic sampling)
 
     @property
     def group_size(self) -> int:
@@ -69,16 +70,43 @@ class Groups:
         return [p for p, k in enumerate(self.keep.tolist()) if k]
 
 
+def concat_groups(parts: list[Groups]) -> Groups:
+    """Several sampling rounds' groups as one, in round order."""
+    import torch
+
+    if len(parts) == 1:
+        return parts[0]
+    r = [g.rollouts for g in parts]
+    rollouts = Rollouts(*[sum((getattr(x, f) for x in r), []) for f in
+                          ("prompt_ids", "completion_ids", "sampling_logprobs", "texts", "truncated")])
+    scored = Scores(sum((g.scored.total for g in parts), []),
+                    {name: sum((g.scored.per_function[name] for g in parts), []) for name in parts[0].scored.per_function})
+    failures = RewardFailures()
+    for g in parts:
+        failures.counts.update(g.failures.counts)
+        failures.last_error.update(g.failures.last_error)
+    tensors = [torch.cat([getattr(g, f) for g in parts]) for f in
+               ("reward", "advantages", "all_correct", "all_wrong", "keep")]
+    return Groups(sum((g.rows for g in parts), []), sum((g.prompt_ids for g in parts), []), rollouts, scored,
+                  failures, *tensors, rounds=len(parts))
+
+
 def sample_groups(engine: Any, cursor: PromptCursor, train_rows: list[dict[str, Any]], encode: Any,
-                  cfg: TrainConfig, step: int) -> tuple[list[dict[str, Any]], list[list[int]], Rollouts]:
-    """Draw the step's prompts and sample a group of completions for each: [P][G]."""
+                  cfg: TrainConfig, step: int, round_index: int = 0
+                  ) -> tuple[list[dict[str, Any]], list[list[int]], Rollouts]:
+    """Draw the step's prompts and sample a group of completions for each: [P][G].
+
+    Seeds are a pure function of (run seed, step, round, prompt): round 0 uses the training
+    stream 0, a dynamic-sampling round r >= 1 the stream r + 1 (stream 1 is evaluation's).
+    """
     from grpo_cli.rollout import sample_seeds
 
     r_cfg = cfg.rollout
     rows = [train_rows[i] for i in cursor.take(r_cfg.prompts_per_step, step)]
     prompt_ids = [encode(row) for row in rows]
+    stream = 0 if round_index == 0 else round_index + 1
     rollouts = engine.generate(prompt_ids, r_cfg.group_size, r_cfg.temperature, r_cfg.top_p,
-                               r_cfg.max_new_tokens, sample_seeds(cfg.trainer.seed, step, len(rows)))
+                               r_cfg.max_new_tokens, sample_seeds(cfg.trainer.seed, step, len(rows), stream=stream))
     return rows, prompt_ids, rollouts
 
 
@@ -95,25 +123,42 @@ def score_groups(rows: list[dict[str, Any]], prompt_ids: list[list[int]], rollou
     completions = [text for group in rollouts.texts for text in group]  # [P*G]
     columns = {k: [row[k] for row in rows for _ in range(G)] for k in rows[0]}  # each [P*G]
     failures = rewards.RewardFailures()
-    scored = rewards.score(reward_fns, completions, columns, cfg.data.answer_format, failures)
+    scored = rewards.score(reward_fns, completions, columns, cfg.data.answer_format, failures,
+                           completion_tokens=[len(c) for group in rollouts.completion_ids for c in group],
+                           max_new_tokens=cfg.rollout.max_new_tokens)
     if failures.total > len(completions) * len(reward_fns) / 2:  # most samples: the reward itself is broken
         name, reason = next(iter(failures.last_error.items()))
         raise UsageError(f"reward function '{name}' failed on most samples at step {step}: {reason}")
     reward = torch.tensor(scored.total, dtype=torch.float32, device=dist.device).view(P, G)  # [P, G]
     reward = grpo.round_rewards(reward, t_cfg.reward_round_decimals)  # [P, G]
-    advantages = grpo.group_advantages(reward, scale_by_std=t_cfg.scale_by_std)  # [P, G]
+    advantages = grpo.ADVANTAGES[t_cfg.advantage](reward)  # [P, G]
     correct = torch.tensor(next(iter(scored.per_function.values())), device=dist.device).view(P, G)  # [P, G]
     all_correct, all_wrong = grpo.zero_variance_groups(reward, correct)  # [P], [P]
     keep = torch.ones(P, dtype=torch.bool, device=dist.device)  # [P]
-    if t_cfg.filter_zero_variance:
+    if t_cfg.filter_zero_variance or cfg.rollout.dynamic_sampling:
         keep = ~(all_correct | all_wrong)  # [P]
     return Groups(rows, prompt_ids, rollouts, scored, failures, reward, advantages, all_correct, all_wrong, keep)
 
 
 def collect_groups(engine: Any, cursor: PromptCursor, train_rows: list[dict[str, Any]], encode: Any,
                    reward_fns: list, cfg: TrainConfig, step: int, dist: Any, timings: Any) -> Groups:
-    """The step's first stage: prompts -> rollouts [P][G] -> rewards and advantages [P, G]."""
-    with timings("generate"):
-        rows, prompt_ids, rollouts = sample_groups(engine, cursor, train_rows, encode, cfg, step)
-    with timings("reward"):
-        return score_groups(rows, prompt_ids, rollouts, reward_fns, cfg, step, dist)
+    """The step's first stage: prompts -> rollouts [P][G] -> rewards and advantages [P, G].
+
+    With rollout.dynamic_sampling (DAPO), rounds of prompts_per_step more prompts are sampled
+    until prompts_per_step groups have reward variance or rollout.max_sampling_rounds is reached;
+    the first prompts_per_step such groups enter the loss.
+    """
+    r_cfg = cfg.rollout
+    rounds = r_cfg.max_sampling_rounds if r_cfg.dynamic_sampling else 1
+    parts: list[Groups] = []
+    for round_index in range(rounds):
+        with timings("generate"):
+            rows, prompt_ids, rollouts = sample_groups(engine, cursor, train_rows, encode, cfg, step, round_index)
+        with timings("reward"):
+            parts.append(score_groups(rows, prompt_ids, rollouts, reward_fns, cfg, step, dist))
+        if sum(int(part.keep.sum()) for part in parts) >= r_cfg.prompts_per_step:
+            break
+    groups = concat_groups(parts)
+    if r_cfg.dynamic_sampling:  # the first prompts_per_step groups with signal
+        groups.keep = groups.keep & (groups.keep.long().cumsum(0) <= r_cfg.prompts_per_step)  # [P*rounds]
+    return groups

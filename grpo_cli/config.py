@@ -15,6 +15,15 @@ from omegaconf import MISSING
 BUILTIN_MODEL = "builtin:bike_base"  # the small model shipped inside the package
 
 
+# Names of the loss axes' tables in grpo_cli/grpo.py (LOSSES, POLICY_TERMS, KL_ESTIMATORS, ADVANTAGES,
+# CORRECTIONS), spelled out so validation imports no torch; tests/test_config.py ties each to its table.
+LOSS_NAMES = ("grpo", "token_mean", "dr_grpo")
+POLICY_LOSS_NAMES = ("ppo_clip", "gspo")
+KL_ESTIMATOR_NAMES = ("k1", "k2", "k3")
+ADVANTAGE_NAMES = ("group_std", "group_mean", "batch_std", "rloo")
+CORRECTION_NAMES = ("none", "tis", "seq_mask")
+
+
 class ConfigError(ValueError):
     """A config value is wrong; the message names the full key and the fix."""
 
@@ -61,6 +70,7 @@ class DataConfig:
 class RewardSpec:
     name: str = MISSING  # a built-in reward ("correct", "format") or "package.module:function"
     weight: float = 1.0  # weight of this function in the summed reward
+    args: dict[str, Any] = field(default_factory=dict)  # keyword arguments the function is called with, e.g. {buffer: 32}
 
 
 @dataclass
@@ -75,9 +85,12 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.5  # vLLM's fraction of GPU memory (GPU only; on CPU kv_cache_gib is used)
     push_check_every: int = 10  # every N steps compare vLLM logprobs with the trainer's after a weight push; 0 = never
     push_check_tol: float = 1e-3  # max mean |logprob difference| before the run stops with a stale-weights error
+    dynamic_sampling: bool = False  # DAPO: sample more prompts until prompts_per_step groups have reward variance
+    max_sampling_rounds: int = 4  # dynamic sampling: at most this many rounds of prompts_per_step prompts a step
 
     def __post_init__(self) -> None:
         _require(self.engine in ("vllm", "hf"), "rollout.engine", f"'{self.engine}' is not one of vllm, hf")
+        _require(self.max_sampling_rounds >= 1, "rollout.max_sampling_rounds", "must be >= 1")
         _require(self.group_size >= 2, "rollout.group_size",
                  f"is {self.group_size}; a group needs >= 2 completions for a relative advantage")
         _require(self.prompts_per_step >= 1, "rollout.prompts_per_step", "must be >= 1")
@@ -91,21 +104,33 @@ class RolloutConfig:
 
 @dataclass
 class TrainerConfig:
-    steps: int = 60  # optimizer steps (one rollout batch each)
+    steps: int = 60  # training steps, one rollout batch each (ppo_epochs x minibatches optimizer steps per batch)
     lr: float = 1e-4  # AdamW learning rate, after warm-up
     norm_lr_scale: float = 1.0  # lr multiplier for normalization gains (1-D *norm* weights): they set the logit scale
-    warmup_steps: int = 0  # linear LR warm-up steps
+    warmup_steps: int = 0  # linear LR warm-up, in optimizer steps (the schedule spans steps x ppo_epochs x minibatches)
     lr_schedule: str = "constant"  # after warm-up: "constant" | "linear" (to 0 at trainer.steps) | "cosine" (to 0)
     weight_decay: float = 0.0  # AdamW weight decay
     betas: list[float] = field(default_factory=lambda: [0.9, 0.99])  # AdamW betas
     max_grad_norm: float = 1.0  # gradient clipping threshold (global L2 norm)
     clip_eps: float = 0.2  # PPO clip range below 1: ratio >= 1 - clip_eps
     clip_eps_high: float | None = None  # PPO clip range above 1 (DAPO's clip-higher); None = clip_eps
-    kl_coef: float = 0.02  # weight of the k3 KL penalty to the frozen reference; 0 loads no reference model
-    scale_by_std: bool = True  # divide advantages by the group std; False = Dr. GRPO (r - mean only)
+    clip_ratio_c: float | None = None  # dual clip (Ye et al. 2020): for A < 0 the objective is bounded at c*A; > 1; None = off
+    policy_loss: str = "ppo_clip"  # ratio and clip: "ppo_clip" (per token) | "gspo" (per sequence, Zheng et al. 2025)
+    kl_coef: float = 0.02  # weight of the KL penalty to the frozen reference; 0 loads no reference model
+    kl_estimator: str = "k3"  # per-token KL estimator: "k1" (logp - ref) | "k2" ((logp - ref)^2 / 2) | "k3" (exp(d) - d - 1)
+    kl_in_reward: bool = False  # subtract kl_coef * (sequence's summed KL) from the reward instead of adding it to the loss
+    advantage: str = "group_std"  # "group_std" (GRPO) | "group_mean" (Dr. GRPO, no std) | "batch_std" | "rloo" (leave-one-out)
     reward_round_decimals: int | None = None  # round summed rewards before normalising (damps noise in graded rewards)
     filter_zero_variance: bool = False  # drop groups whose rewards are all equal from the loss
-    loss: str = "grpo"  # loss aggregation, picked from grpo_cli.grpo.LOSSES: "grpo" (per-sequence mean) | "token_mean"
+    loss: str = "grpo"  # aggregation: "grpo" (per-sequence token mean) | "token_mean" (DAPO) | "dr_grpo" (sum / max_new_tokens)
+    mismatch_correction: str = "none"  # vs the engine's sampling logprobs: "none" | "tis" (capped token weights) | "seq_mask"
+    tis_cap: float = 2.0  # tis: cap C on the importance weight exp(trainer logp - engine logp) of each token
+    seq_mask_low: float = 0.5  # seq_mask: a sample whose geometric-mean ratio trainer/engine is below this leaves the loss...
+    seq_mask_high: float = 2.0  # ...and so does one above this
+    entropy_coef: float = 0.0  # weight of an entropy bonus in the loss (the entropy is logged either way)
+    ppo_epochs: int = 1  # passes over each rollout batch; > 1 reuses samples (the ratio moves away from 1)
+    minibatches: int = 1  # optimizer steps per pass: the batch's groups split into this many parts
+    mask_truncated: bool = False  # completions cut by rollout.max_new_tokens leave the loss (DAPO's overlong filter)
     micro_batch_size: int = 16  # at most this many completions per forward/backward pass (memory knob, not a math knob)
     micro_batch_tokens: int = 0  # and at most this many padded completion tokens per pass (0 = no cap); memory knob too
     logprob_chunk_tokens: int = 1024  # tokens per logits chunk when computing logprobs; bounds the [tokens, vocab] buffer
@@ -128,8 +153,21 @@ class TrainerConfig:
         _require(self.lr_schedule in LR_SCHEDULES, "trainer.lr_schedule",
                  f"'{self.lr_schedule}' is not one of {', '.join(LR_SCHEDULES)}")
         _require(self.norm_lr_scale > 0, "trainer.norm_lr_scale", "must be > 0")
-        # The names of grpo_cli.grpo.LOSSES, spelled out: that module imports torch (tests/test_config.py ties the two).
-        _require(self.loss in ("grpo", "token_mean"), "trainer.loss", f"'{self.loss}' is not one of grpo, token_mean")
+        # The names of grpo_cli.grpo's tables, spelled out: that module imports torch (tests/test_config.py ties them).
+        for key, value, names in (("loss", self.loss, LOSS_NAMES), ("policy_loss", self.policy_loss, POLICY_LOSS_NAMES),
+                                  ("kl_estimator", self.kl_estimator, KL_ESTIMATOR_NAMES),
+                                  ("advantage", self.advantage, ADVANTAGE_NAMES),
+                                  ("mismatch_correction", self.mismatch_correction, CORRECTION_NAMES)):
+            _require(value in names, f"trainer.{key}", f"'{value}' is not one of {', '.join(names)}")
+        _require(self.clip_ratio_c is None or self.clip_ratio_c > 1, "trainer.clip_ratio_c", "must be > 1 or null")
+        _require(self.tis_cap > 0, "trainer.tis_cap", "must be > 0")
+        _require(0 <= self.seq_mask_low < 1 < self.seq_mask_high, "trainer.seq_mask_low",
+                 f"the band [{self.seq_mask_low}, {self.seq_mask_high}] must hold 1 (seq_mask_low < 1 < seq_mask_high)")
+        _require(self.entropy_coef >= 0, "trainer.entropy_coef", "must be >= 0")
+        _require(self.ppo_epochs >= 1, "trainer.ppo_epochs", "must be >= 1")
+        _require(self.minibatches >= 1, "trainer.minibatches", "must be >= 1")
+        _require(not (self.kl_in_reward and self.kl_coef == 0), "trainer.kl_in_reward",
+                 "needs trainer.kl_coef > 0 (the penalty's weight)")
         _require(len(self.betas) == 2, "trainer.betas", "must be two numbers, e.g. [0.9,0.99]")
         _require(self.max_grad_norm > 0, "trainer.max_grad_norm", "must be > 0")
         _require(self.threads >= 0, "trainer.threads", "must be >= 0 (0 = all cores)")
@@ -191,6 +229,9 @@ class TrainConfig:
         _require(len(self.rewards) > 0, "rewards", "no reward functions; add e.g. rewards=[{name:correct,weight:1.0}]")
         for i, spec in enumerate(self.rewards):
             _require(spec.weight == spec.weight, f"rewards[{i}].weight", "is NaN")
+        _require(self.trainer.minibatches <= self.rollout.prompts_per_step, "trainer.minibatches",
+                 f"{self.trainer.minibatches} exceeds rollout.prompts_per_step={self.rollout.prompts_per_step}: "
+                 "minibatches split the step's groups")
         _require(self.eval.num_problems <= self.data.num_heldout, "eval.num_problems",
                  f"{self.eval.num_problems} exceeds data.num_heldout={self.data.num_heldout}")
 
@@ -246,6 +287,7 @@ class PlotCommandConfig:
 # Primary config name of each sub-command in Hydra's ConfigStore.
 COMMAND_SCHEMAS: dict[str, Any] = {
     "train": TrainConfig,
+    "check": TrainConfig,
     "reward": RewardCommandConfig,
     "export": ExportCommandConfig,
     "eval": EvalCommandConfig,

@@ -154,9 +154,10 @@ def heldout_metrics(engine: Any, rows: list[dict[str, Any]], encode: Any, reward
     out = engine.generate(prompt_ids, k, temperature, top_p, max_new_tokens, seeds)
     texts = [t for group in out.texts for t in group]  # [N*k]
     columns = {key: [row[key] for row in rows for _ in range(k)] for key in rows[0]}  # each [N*k]
-    scored = rewards.score(reward_fns, texts, columns, answer_format)
-    correct = next(iter(scored.per_function.values()))  # [N*k]
     lengths = [len(c) for group in out.completion_ids for c in group]  # [N*k]
+    scored = rewards.score(reward_fns, texts, columns, answer_format, completion_tokens=lengths,
+                           max_new_tokens=max_new_tokens)
+    correct = next(iter(scored.per_function.values()))  # [N*k]
     truncated = [bool(t) for group in out.truncated for t in group]  # [N*k]
     votes = [answer_key(t, answer_format) for t in texts]  # [N*k]
     parts = (k, correct, scored.per_function, lengths, truncated, votes)
@@ -184,7 +185,9 @@ def greedy_accuracy(engine: Any, rows: list[dict[str, Any]], encode: Any, reward
 
     out = engine.generate([encode(row) for row in rows], 1, 0.0, 1.0, max_new_tokens, list(range(len(rows))))
     columns = {key: [row[key] for row in rows] for key in rows[0]}
-    scored = rewards.score(reward_fns, [group[0] for group in out.texts], columns, answer_format)
+    scored = rewards.score(reward_fns, [group[0] for group in out.texts], columns, answer_format,
+                           completion_tokens=[len(group[0]) for group in out.completion_ids],
+                           max_new_tokens=max_new_tokens)
     correct = next(iter(scored.per_function.values()))  # [N]
     return _mean(correct), {tier: _mean([correct[i] for i in idx]) for tier, idx in _tiers(rows).items()}
 

@@ -56,6 +56,39 @@ def group_advantages(rewards: torch.Tensor, scale_by_std: bool = True, eps: floa
     return centered / (std + eps)  # [P, G]
 
 
+def group_std_advantages(rewards: torch.Tensor) -> torch.Tensor:
+    """GRPO (Shao et al. 2024): `A_i = (r_i - mean(r)) / (std(r) + eps)` within each group `[P, G]`."""
+    return group_advantages(rewards, scale_by_std=True)  # [P, G]
+
+
+def group_mean_advantages(rewards: torch.Tensor) -> torch.Tensor:
+    """Dr. GRPO (Liu et al. 2025): `A_i = r_i - mean(r)`, no std, so easy and hard groups keep their scale."""
+    return group_advantages(rewards, scale_by_std=False)  # [P, G]
+
+
+def batch_std_advantages(rewards: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """Group mean as the baseline, std over the whole batch: `A_i = (r_i - mean_group(r)) / (std_batch(r) + eps)`
+    (Hu et al. 2025, REINFORCE++ baseline): one scale for every group, so a nearly-solved group's
+    tiny spread is not blown up to unit size."""
+    centered = group_advantages(rewards, scale_by_std=False)  # [P, G]
+    std = rewards.float().std(correction=0) if rewards.numel() > 1 else rewards.new_zeros(())  # scalar, all P*G
+    return centered / (std + eps)  # [P, G]
+
+
+def rloo_advantages(rewards: torch.Tensor) -> torch.Tensor:
+    """RLOO (Ahmadian et al. 2024): each sample's baseline is the mean of the OTHER G-1 samples,
+    `A_i = r_i - 1/(G-1) sum_{j != i} r_j = G/(G-1) (r_i - mean(r))`. A group of one has no baseline: zeros."""
+    G = rewards.shape[-1]
+    centered = group_advantages(rewards, scale_by_std=False)  # [P, G]
+    return centered * (G / (G - 1)) if G > 1 else torch.zeros_like(centered)  # [P, G]
+
+
+# trainer.advantage picks one by name. Every one gives exact zeros to a group whose rewards are all equal.
+ADVANTAGES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "group_std": group_std_advantages, "group_mean": group_mean_advantages,
+    "batch_std": batch_std_advantages, "rloo": rloo_advantages}
+
+
 def zero_variance_groups(rewards: torch.Tensor, correct: torch.Tensor | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """Groups with no learning signal (every reward equal), split in two.
@@ -100,6 +133,23 @@ def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     return torch.clamp(torch.exp(d) - d - 1.0, min=0.0)  # [B, T]
 
 
+def kl_k1(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """k1 per token: `logp - ref` (Schulman 2020). Unbiased for KL(policy || ref), but one sample can be
+    negative; its gradient in the loss is that of the policy's log-likelihood, not of the KL."""
+    return logprobs - ref_logprobs  # [B, T]
+
+
+def kl_k2(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """k2 per token: `(logp - ref)^2 / 2`. Biased, never negative; its gradient is the true KL's
+    gradient in expectation (the estimator verl calls `mse`)."""
+    return 0.5 * (logprobs - ref_logprobs) ** 2  # [B, T]
+
+
+# trainer.kl_estimator picks one by name: (logprobs [B, T], ref_logprobs [B, T]) -> per-token KL [B, T].
+KL_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "k1": kl_k1, "k2": kl_k2, "k3": kl_k3}
+
+
 # ---------------------------------------------------------------------------- token log-probabilities
 
 
@@ -109,6 +159,16 @@ def _chunk_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # [n]
 
 
+def _chunk_logprobs_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                            targets: torch.Tensor, temperature: float,
+                            entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = F.linear(hidden, weight, bias).float() / temperature  # [n, V] float32
+    logp = torch.log_softmax(logits, dim=-1)  # [n, V]
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        entropy = -(logp.exp() * logp).sum(-1)  # [n] H of the token distribution
+    return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1), entropy  # [n], [n]
+
+
 def logprobs_from_hidden(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -116,30 +176,41 @@ def logprobs_from_hidden(
     bias: torch.Tensor | None = None,
     chunk_tokens: int = 1024,
     temperature: float = 1.0,
-) -> torch.Tensor:
+    with_entropy: bool = False,
+    entropy_grad: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """`log_softmax(hidden @ weight.T + bias)[targets]`, never holding more than `chunk_tokens` rows of logits.
 
     `hidden` `[B, T, H]`, `weight` `[V, H]` (the lm_head; tied or not, it is the same tensor
     the model uses), `targets` `[B, T]` -> float32 `[B, T]`. With autograd on, each chunk is
     checkpointed: the forward keeps only the chunk's input, and the backward recomputes
     that chunk's logits, so the backward too holds one `[chunk_tokens, V]` block at a time.
+
+    `with_entropy=True` also returns each position's entropy `-sum_v p_v log p_v` `[B, T]`, from
+    the same chunk of logits (no second pass); it carries a gradient only with `entropy_grad`.
     """
     B, T, H = hidden.shape
     flat_hidden = hidden.reshape(B * T, H)  # [B*T, H]
     flat_targets = targets.reshape(B * T)  # [B*T]
     needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    fn, extra = (_chunk_logprobs_entropy, (entropy_grad,)) if with_entropy else (_chunk_logprobs, ())
     pieces = []
     for start in range(0, B * T, chunk_tokens):
         h = flat_hidden[start:start + chunk_tokens]  # [n, H]
         y = flat_targets[start:start + chunk_tokens]  # [n]
         if needs_grad:
-            pieces.append(checkpoint(_chunk_logprobs, h, weight, bias, y, temperature,
-                                     use_reentrant=False, preserve_rng_state=False))  # [n]
+            pieces.append(checkpoint(fn, h, weight, bias, y, temperature, *extra,
+                                     use_reentrant=False, preserve_rng_state=False))  # [n] (or [n], [n])
         else:
-            pieces.append(_chunk_logprobs(h, weight, bias, y, temperature))  # [n]
+            pieces.append(fn(h, weight, bias, y, temperature, *extra))  # [n] (or [n], [n])
+    if not with_entropy:
+        if not pieces:
+            return hidden.new_zeros(B, T, dtype=torch.float32)  # [B, T]
+        return torch.cat(pieces).reshape(B, T)  # [B, T]
     if not pieces:
-        return hidden.new_zeros(B, T, dtype=torch.float32)  # [B, T]
-    return torch.cat(pieces).reshape(B, T)  # [B, T]
+        return hidden.new_zeros(B, T, dtype=torch.float32), hidden.new_zeros(B, T, dtype=torch.float32)
+    return (torch.cat([lp for lp, _ in pieces]).reshape(B, T),  # [B, T]
+            torch.cat([ent for _, ent in pieces]).reshape(B, T))  # [B, T]
 
 
 def _body_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
@@ -242,8 +313,11 @@ def completion_logprobs(
     completion_mask: torch.Tensor,
     chunk_tokens: int = 1024,
     temperature: float = 1.0,
-) -> torch.Tensor:
-    """Log-probability of each completion token given its prompt's `PromptStates`: float32 `[b, Tc]`.
+    with_entropy: bool = False,
+    entropy_grad: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Log-probability of each completion token given its prompt's `PromptStates`: float32 `[b, Tc]`
+    (and the entropy at each position `[b, Tc]` with `with_entropy`, see `logprobs_from_hidden`).
 
     Row i continues prompt `prompt_index[i]` (`[b]`); `completion_ids`/`completion_mask` are
     right-padded `[b, Tc]`. Entry j is `log p(completion[j] | prompt, completion[:j])`: what
@@ -260,8 +334,9 @@ def completion_logprobs(
     hidden = body(input_ids=completion_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
                   use_cache=True).last_hidden_state  # [b, Tc, H]
     states = torch.cat([prompts.final.index_select(0, prompt_index)[:, None], hidden[:, :-1]], dim=1)  # [b, Tc, H]
-    return logprobs_from_hidden(states, head.weight, completion_ids, bias=head.bias,
-                                chunk_tokens=chunk_tokens, temperature=temperature)  # [b, Tc]
+    return logprobs_from_hidden(states, head.weight, completion_ids, bias=head.bias, chunk_tokens=chunk_tokens,
+                                temperature=temperature, with_entropy=with_entropy,
+                                entropy_grad=entropy_grad)  # [b, Tc] (, [b, Tc])
 
 
 def token_logprobs_reference(
@@ -275,6 +350,13 @@ def token_logprobs_reference(
 
 
 # ---------------------------------------------------------------------------- the loss
+#
+# A loss is four independent choices, each a small table of named functions:
+#   POLICY_TERMS   the ratio and its clipped objective per token (ppo_clip, gspo), with an optional dual clip
+#   KL_ESTIMATORS  the per-token KL to the reference (k1, k2, k3)
+#   CORRECTIONS    weights for the gap between the rollout engine and the trainer (none, tis, seq_mask)
+#   LOSSES         how per-token terms become one number (grpo, token_mean, dr_grpo), with NORMALIZERS
+# `_per_token_terms` looks each one up by the name in `LossParams`; nothing branches on combinations.
 
 
 class LossInputs(NamedTuple):
@@ -286,107 +368,231 @@ class LossInputs(NamedTuple):
     advantages: torch.Tensor  # [b] or [b, 1] one per sequence, shared by its tokens
     old_logprobs: torch.Tensor | None = None  # [b, T] the policy that sampled the batch; None = logprobs.detach()
     ref_logprobs: torch.Tensor | None = None  # [b, T] the frozen reference's; None only when kl_coef == 0
-    sampling_logprobs: torch.Tensor | None = None  # [b, T] the rollout engine's at sampling time (kept for
-    #   mismatch corrections; today's losses do not read it)
+    sampling_logprobs: torch.Tensor | None = None  # [b, T] the rollout engine's at sampling time (corrections)
     normalizer: float | None = None  # what the summed loss is divided by: the FULL batch's NORMALIZERS[name]
     #   when this is a micro-batch; None = this batch's own
+    entropy: torch.Tensor | None = None  # [b, T] the policy's token entropy (from the same chunked logits)
 
 
 class LossParams(NamedTuple):
-    """The loss's hyperparameters (trainer.clip_eps, trainer.clip_eps_high, trainer.kl_coef)."""
+    """The loss's choices and hyperparameters (trainer.* keys of the same names)."""
 
     clip_eps: float = 0.2  # ratio >= 1 - clip_eps
     clip_eps_high: float | None = None  # ratio <= 1 + clip_eps_high; None = clip_eps (symmetric)
-    kl_coef: float = 0.0  # weight of the k3 KL to the reference
+    kl_coef: float = 0.0  # weight of the KL to the reference in the loss
+    policy_loss: str = "ppo_clip"  # POLICY_TERMS: ppo_clip | gspo
+    clip_ratio_c: float | None = None  # dual clip: bound -A * ratio at -A * c for A < 0 (c > 1); None = off
+    kl_estimator: str = "k3"  # KL_ESTIMATORS: k1 | k2 | k3
+    correction: str = "none"  # CORRECTIONS: none | tis | seq_mask
+    tis_cap: float = 2.0  # tis: importance weights are capped at this C
+    seq_mask_low: float = 0.5  # seq_mask: sequences whose geometric-mean ratio falls below this leave the loss...
+    seq_mask_high: float = 2.0  # ...or rises above this
+    entropy_coef: float = 0.0  # weight of an entropy bonus (needs LossInputs.entropy when > 0)
+    max_new_tokens: int = 1  # dr_grpo: the constant each sequence's token sum is divided by
 
 
 DEFAULT_PARAMS = LossParams()  # symmetric clip at 0.2, no KL
+
+
+# -- policy terms: (logprobs, old, advantages [B, 1], mask, params) -> ratio [B, T], objective [B, T], clipped [B, T]
+
+
+def _clip_stats(ratio: torch.Tensor, adv: torch.Tensor, params: LossParams) -> torch.Tensor:
+    eps_high = params.clip_eps if params.clip_eps_high is None else params.clip_eps_high
+    with torch.no_grad():
+        return ((ratio > 1 + eps_high) & (adv > 0)) | ((ratio < 1 - params.clip_eps) & (adv < 0))  # [B, T]
+
+
+def ppo_clip_term(logprobs, old, adv, mask, params):
+    """PPO's token-level ratio `r_t = exp(logp_t - old_t)` and `min(r_t A, clip(r_t, 1-eps, 1+eps_high) A)`."""
+    ratio = torch.exp(logprobs - old)  # [B, T]
+    objective = clipped_surrogate(ratio, adv, params.clip_eps, params.clip_eps_high)  # [B, T]
+    return ratio, objective, _clip_stats(ratio, adv, params)
+
+
+def gspo_term(logprobs, old, adv, mask, params):
+    """GSPO (Zheng et al. 2025): one ratio per sequence, the geometric mean of its token ratios,
+
+        s_i = exp(1/|o_i| sum_t (logp_it - old_it)),   objective_i = min(s_i A_i, clip(s_i, 1-eps, 1+eps_high) A_i),
+
+    clipped per sequence. Written per token as `s_it = sg[s_i] * exp(logp_it - sg[logp_it])`: every
+    token's value is s_i and the token mean of the objective has the gradient of the sequence's. The
+    paper's clip range is far smaller than PPO's (3e-4 / 4e-4): set trainer.clip_eps accordingly.
+    """
+    m = mask.to(logprobs.dtype)  # [B, T]
+    log_seq = ((logprobs - old) * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1)  # [B, 1]
+    ratio = torch.exp(log_seq.detach() + logprobs - logprobs.detach())  # [B, T]: value s_i, gradient per token
+    objective = clipped_surrogate(ratio, adv, params.clip_eps, params.clip_eps_high)  # [B, T]
+    return ratio, objective, _clip_stats(ratio, adv, params)
+
+
+# trainer.policy_loss picks one by name.
+POLICY_TERMS = {"ppo_clip": ppo_clip_term, "gspo": gspo_term}
+
+
+def dual_clip(objective: torch.Tensor, ratio: torch.Tensor, adv: torch.Tensor, clip_ratio_c: float) -> torch.Tensor:
+    """Dual-clip PPO (Ye et al. 2020): for A < 0 the clipped objective `min(rA, clip(r)A)` falls without
+    bound as r grows; bound it below at `c * A` (c > 1): `max(min(rA, clip(r)A), cA)`."""
+    return torch.where(adv < 0, torch.maximum(objective, clip_ratio_c * adv), objective)  # [B, T]
+
+
+# -- mismatch corrections: (old [B, T], sampling [B, T], mask, params) -> detached weights [B, T] or None
+
+
+def no_correction(old, sampling, mask, params):
+    """Trust the engine's samples as the trainer's own: no weights."""
+    return None
+
+
+def tis_correction(old, sampling, mask, params):
+    """Truncated importance sampling (Yao et al. 2025) against the rollout engine: each token's policy
+    term weighs `min(exp(old_t - sampling_t), C)`, the trainer's probability of the sampled token over
+    the engine's, capped at C = tis_cap."""
+    with torch.no_grad():
+        return torch.clamp(torch.exp(old - sampling), max=params.tis_cap)  # [B, T]
+
+
+def seq_mask_correction(old, sampling, mask, params):
+    """Sequence-level rejection: a sample whose geometric-mean ratio `exp(1/|o| sum_t (old_t - sampling_t))`
+    leaves [seq_mask_low, seq_mask_high] gets weight 0 on every token (it leaves the policy term); the
+    rest weigh 1."""
+    with torch.no_grad():
+        m = mask.to(old.dtype)  # [B, T]
+        ratio = torch.exp(((old - sampling) * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1))  # [B, 1]
+        inside = (ratio >= params.seq_mask_low) & (ratio <= params.seq_mask_high)  # [B, 1]
+        return inside.to(old.dtype).expand_as(old)  # [B, T]
+
+
+# trainer.mismatch_correction picks one by name.
+CORRECTIONS = {"none": no_correction, "tis": tis_correction, "seq_mask": seq_mask_correction}
+
+
 def _per_token_terms(batch: LossInputs, params: LossParams):
-    """Shared by every aggregation: the per-token loss and the statistics of one (micro-)batch."""
+    """Shared by every aggregation: the per-token loss and the statistics of one (micro-)batch.
+
+    per token: `-(w * policy_objective - kl_coef * KL + entropy_coef * H)`, w the correction's weight.
+    """
     logprobs, ref_logprobs, kl_coef = batch.logprobs, batch.ref_logprobs, params.kl_coef
     if ref_logprobs is None and kl_coef != 0:
         raise ValueError(f"kl_coef={kl_coef} needs ref_logprobs; pass them or set kl_coef=0")
     mask = batch.mask.bool()  # [B, T]
     old = logprobs.detach() if batch.old_logprobs is None else batch.old_logprobs  # [B, T]
     adv = batch.advantages.reshape(-1, 1).to(logprobs.dtype)  # [B, 1]
-    ratio = torch.exp(logprobs - old)  # [B, T]
-    surrogate = clipped_surrogate(ratio, adv, params.clip_eps, params.clip_eps_high)  # [B, T]
-    kl = kl_k3(logprobs, ref_logprobs) if ref_logprobs is not None else torch.zeros_like(logprobs)  # [B, T]
-    per_token = torch.where(mask, -(surrogate - kl_coef * kl), 0.0)  # [B, T]
+    ratio, objective, is_clipped = POLICY_TERMS[params.policy_loss](logprobs, old, adv, mask, params)  # [B, T] x 3
+    if params.clip_ratio_c is not None:
+        objective = dual_clip(objective, ratio, adv, params.clip_ratio_c)  # [B, T]
+    if params.correction != "none" and batch.sampling_logprobs is None:
+        raise ValueError(f"correction={params.correction} needs sampling_logprobs")
+    weight = CORRECTIONS[params.correction](old, batch.sampling_logprobs, mask, params)  # [B, T] or None
+    if weight is not None:
+        objective = weight * objective  # [B, T]
+    kl = KL_ESTIMATORS[params.kl_estimator](logprobs, ref_logprobs) if ref_logprobs is not None \
+        else torch.zeros_like(logprobs)  # [B, T]
+    inner = objective - kl_coef * kl  # [B, T]
+    if params.entropy_coef:
+        if batch.entropy is None:
+            raise ValueError(f"entropy_coef={params.entropy_coef} needs LossInputs.entropy")
+        inner = inner + params.entropy_coef * batch.entropy  # [B, T]
+    per_token = torch.where(mask, -inner, 0.0)  # [B, T]
 
-    eps_high = params.clip_eps if params.clip_eps_high is None else params.clip_eps_high
+    names, terms = ["kl", "clip_frac", "ratio", "surrogate"], [kl, is_clipped.to(kl.dtype), ratio, objective]
+    if batch.entropy is not None:
+        names, terms = names + ["entropy"], terms + [batch.entropy]
+    if weight is not None:
+        names += ["correction/weight", "correction/masked_frac"]
+        terms += [weight, (weight == 0).to(kl.dtype)]
     with torch.no_grad():
-        is_clipped = ((ratio > 1 + eps_high) & (adv > 0)) | ((ratio < 1 - params.clip_eps) & (adv < 0))  # [B, T]
         tokens = mask.sum()  # scalar: completion tokens in this batch
-        terms = torch.stack([kl, is_clipped.to(kl.dtype), ratio, surrogate])  # [4, B, T]
-        means = torch.where(mask, terms, 0.0).sum(dim=(1, 2)) / tokens.clamp(min=1)  # [4]
+        stacked = torch.stack([t.detach() for t in terms])  # [n, B, T]
+        means = torch.where(mask, stacked, 0.0).sum(dim=(1, 2)) / tokens.clamp(min=1)  # [n]
         values = torch.cat([means, tokens.reshape(1).to(means.dtype)]).tolist()  # one device sync
-    stats = dict(zip(("kl", "clip_frac", "ratio", "surrogate", "tokens"), values, strict=True))
+    stats = dict(zip([*names, "tokens"], values, strict=True))
     return per_token, mask, stats  # [B, T], [B, T], dict
 
 
+# -- aggregations: how the per-token loss [B, T] becomes one number
+
+
 def grpo_loss(batch: LossInputs, params: LossParams = DEFAULT_PARAMS) -> tuple[torch.Tensor, dict[str, float]]:
-    """GRPO's loss: per token `-(clipped_surrogate - kl_coef * kl_k3)`, averaged over each
-    sequence's completion tokens, then over sequences:
+    """GRPO's aggregation: the per-token loss averaged over each sequence's completion tokens, then
+    over sequences:
 
         L = -1/N sum_i 1/|o_i| sum_t [min(r_it A_i, clip(r_it, 1-eps, 1+eps_high) A_i) - kl_coef KL_it]
 
-    with `r = exp(logprobs - old_logprobs)`; `old_logprobs=None` means `logprobs.detach()`
-    (one update per rollout batch: the ratio is 1 but carries the gradient of logp).
+    with `r = exp(logprobs - old_logprobs)` (for ppo_clip); `old_logprobs=None` means
+    `logprobs.detach()` (one update per rollout batch: the ratio is 1 but carries the gradient of logp).
 
     Why this aggregation: it is the GRPO paper's `1/G sum_i 1/|o_i| sum_t`, so every
     answer weighs the same whatever its length. The known side effect: a token of a short
     answer weighs more than one of a long answer, so wrong answers are pushed down less
-    per token when they are long (a length bias). `token_mean_loss` is the DAPO
-    alternative that weighs every token equally.
+    per token when they are long (a length bias). `token_mean_loss` (DAPO) weighs every
+    token equally; `dr_grpo_loss` divides by a constant instead.
 
     N is `batch.normalizer`; default: the B sequences here. For micro-batches pass the FULL
-    batch's `NORMALIZERS["grpo"](full_mask)` (its number of sequences) to each micro-batch and
-    sum (backward) the micro-batch losses as they are; equivalently, with the default, scale
+    batch's `NORMALIZERS["grpo"](full_mask, params)` (its number of sequences) to each micro-batch
+    and sum (backward) the micro-batch losses as they are; equivalently, with the default, scale
     each micro-batch loss by `micro_seqs / total_seqs`. A sequence with no completion tokens
     contributes 0 (its denominator is clamped to 1).
 
     Returns the scalar loss and float stats: every key but `tokens` is a token mean over this
-    batch's completion tokens (kl, clip_frac, ratio, surrogate); `tokens` is their count, the
-    weight that merges micro-batches' means into the batch's.
+    batch's completion tokens (kl, clip_frac, ratio, surrogate; entropy and correction/* when
+    present); `tokens` is their count, the weight that merges micro-batches' means into the batch's.
     """
     per_token, mask, stats = _per_token_terms(batch, params)  # [B, T], [B, T]
     per_sequence = per_token.sum(-1) / mask.sum(-1).clamp(min=1)  # [B]
-    denom = grpo_normalizer(batch.mask) if batch.normalizer is None else batch.normalizer
+    denom = grpo_normalizer(batch.mask, params) if batch.normalizer is None else batch.normalizer
     return per_sequence.sum() / denom, stats  # scalar
 
 
 def token_mean_loss(batch: LossInputs, params: LossParams = DEFAULT_PARAMS) -> tuple[torch.Tensor, dict[str, float]]:
-    """DAPO's token-level aggregation: the same per-token terms as `grpo_loss`, averaged over
-    all completion tokens of the batch, so long answers weigh in proportion to their length:
+    """DAPO's token-level aggregation (Yu et al. 2025): the same per-token terms as `grpo_loss`,
+    averaged over all completion tokens of the batch, so long answers weigh in proportion to their length:
 
         L = -1/N sum_i sum_t [min(r_it A_i, clip(r_it, 1-eps, 1+eps_high) A_i) - kl_coef KL_it]
 
     N is `batch.normalizer`; default: the completion tokens here. For micro-batches pass the
-    FULL batch's `NORMALIZERS["token_mean"](full_mask)` (its number of completion tokens) and
-    sum the micro-batch losses; equivalently, with the default, scale each micro-batch loss by
-    `micro_tokens / total_tokens`. Stats as in `grpo_loss`.
+    FULL batch's `NORMALIZERS["token_mean"](full_mask, params)` (its number of completion tokens)
+    and sum the micro-batch losses. Stats as in `grpo_loss`.
     """
     per_token, _, stats = _per_token_terms(batch, params)  # [B, T]
-    denom = token_mean_normalizer(batch.mask) if batch.normalizer is None else batch.normalizer
+    denom = token_mean_normalizer(batch.mask, params) if batch.normalizer is None else batch.normalizer
     return per_token.sum() / denom, stats  # scalar
 
 
-def grpo_normalizer(completion_mask: torch.Tensor) -> float:
+def dr_grpo_loss(batch: LossInputs, params: LossParams = DEFAULT_PARAMS) -> tuple[torch.Tensor, dict[str, float]]:
+    """Dr. GRPO's aggregation (Liu et al. 2025): each sequence's token SUM divided by one constant
+    (`params.max_new_tokens`, the rollout's length cap), then the mean over sequences:
+
+        L = -1/(N L_max) sum_i sum_t [min(r_it A_i, clip(r_it, 1-eps, 1+eps_high) A_i) - kl_coef KL_it]
+
+    No length normalisation per answer, so a long wrong answer is pushed down as hard per token as
+    a short one. N L_max is `batch.normalizer` (the FULL batch's for a micro-batch). Stats as in `grpo_loss`.
+    """
+    per_token, _, stats = _per_token_terms(batch, params)  # [B, T]
+    denom = dr_grpo_normalizer(batch.mask, params) if batch.normalizer is None else batch.normalizer
+    return per_token.sum() / denom, stats  # scalar
+
+
+def grpo_normalizer(completion_mask: torch.Tensor, params: LossParams = DEFAULT_PARAMS) -> float:
     """What `grpo_loss` divides by for this batch: its number of sequences."""
     return float(completion_mask.shape[0])
 
 
-def token_mean_normalizer(completion_mask: torch.Tensor) -> float:
+def token_mean_normalizer(completion_mask: torch.Tensor, params: LossParams = DEFAULT_PARAMS) -> float:
     """What `token_mean_loss` divides by for this batch: its completion tokens (at least 1)."""
     return float(max(int(completion_mask.bool().sum().item()), 1))
+
+
+def dr_grpo_normalizer(completion_mask: torch.Tensor, params: LossParams = DEFAULT_PARAMS) -> float:
+    """What `dr_grpo_loss` divides by for this batch: its sequences times the constant `max_new_tokens`."""
+    return float(completion_mask.shape[0] * params.max_new_tokens)
 
 
 LossFn = Callable[[LossInputs, LossParams], tuple[torch.Tensor, dict[str, float]]]
 
 # trainer.loss picks one aggregation by name; variants are separate functions, not branches.
-LOSSES: dict[str, LossFn] = {"grpo": grpo_loss, "token_mean": token_mean_loss}
+LOSSES: dict[str, LossFn] = {"grpo": grpo_loss, "token_mean": token_mean_loss, "dr_grpo": dr_grpo_loss}
 # Full-batch normalizer of each loss, computed once from the full batch's completion mask and
 # passed to every micro-batch, so the micro-batch losses simply add up to the full-batch loss.
-NORMALIZERS: dict[str, Callable[[torch.Tensor], float]] = {"grpo": grpo_normalizer,
-                                                            "token_mean": token_mean_normalizer}
+NORMALIZERS: dict[str, Callable[[torch.Tensor, LossParams], float]] = {
+    "grpo": grpo_normalizer, "token_mean": token_mean_normalizer, "dr_grpo": dr_grpo_normalizer}

@@ -34,7 +34,8 @@ TIME_SHORT = {"generate": "gen", "reward": "rew", "logprobs": "lp", "update": "u
 
 
 class StepTimer(dict):
-    """Seconds per phase of a step, `{"generate": 1.0, ...}`: `with timings("update"): ...` times one."""
+    """Seconds per phase of a step, `{"generate": 1.0, ...}`: `with timings("update"): ...` times one
+    (a phase timed twice in a step, e.g. several sampling rounds, adds up)."""
 
     def __call__(self, phase: str) -> Any:
         import contextlib
@@ -45,7 +46,7 @@ class StepTimer(dict):
             try:
                 yield
             finally:
-                self[phase] = time.time() - tick
+                self[phase] = self.get(phase, 0.0) + (time.time() - tick)
 
         return timed()
 

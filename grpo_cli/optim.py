@@ -52,12 +52,14 @@ def param_groups(model: Any, lr: float, norm_lr_scale: float) -> list[dict[str, 
 def build_optimizer(model: Any, cfg: Any) -> tuple[Any, Any]:
     """AdamW over `param_groups` and its schedule: warm-up, then `cfg.lr_schedule` to `cfg.steps`.
 
-    `cfg` is the run's `config.TrainerConfig` (not imported: config imports this module).
+    `cfg` is the run's `config.TrainerConfig` (not imported: config imports this module). The
+    schedule counts optimizer steps: `ppo_epochs x minibatches` of them per training step.
     """
     import torch
 
     optimizer = torch.optim.AdamW(param_groups(model, cfg.lr, cfg.norm_lr_scale), lr=cfg.lr,
                                   betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
     schedule = LR_SCHEDULES[cfg.lr_schedule]
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: schedule(s, cfg.warmup_steps, cfg.steps))
+    total = cfg.steps * cfg.ppo_epochs * cfg.minibatches  # optimizer steps in the whole run
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: schedule(s, cfg.warmup_steps, total))
     return optimizer, scheduler

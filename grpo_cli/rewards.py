@@ -136,9 +136,28 @@ def format_ok(completions: list, answer_format: str = "answer_line", **kwargs: A
     return scores
 
 
+def overlong(completions: list, completion_tokens: list | None = None, max_new_tokens: int | None = None,
+             buffer: int = 32, **kwargs: Any) -> list[float]:
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), from each completion's token count |y|
+    and the cap L = rollout.max_new_tokens (both passed by the trainer and by `grpo eval`):
+
+        0 for |y| <= L - buffer;   ((L - buffer) - |y|) / buffer for L - buffer < |y| <= L;   -1 beyond L.
+
+    A linear fall from 0 to -1 over the last `buffer` tokens before the cap (set it with
+    `args: {buffer: N}`), so long answers are discouraged before they are cut off.
+    """
+    if completion_tokens is None or max_new_tokens is None:
+        raise ValueError("overlong needs completion_tokens and max_new_tokens, which grpo train and grpo eval pass")
+    if not 0 < buffer <= max_new_tokens:
+        raise ValueError(f"overlong: buffer={buffer} must be in 1..max_new_tokens={max_new_tokens}")
+    safe = max_new_tokens - buffer
+    return [0.0 if n <= safe else -1.0 if n > max_new_tokens else (safe - n) / buffer for n in completion_tokens]
+
+
 BUILTIN_REWARDS: dict[str, RewardFn] = {
     "correct": correct,
     "format": format_ok,
+    "overlong": overlong,
 }
 
 
@@ -151,6 +170,7 @@ class WeightedReward:
     name: str  # as written in the recipe: a builtin name or "module:function"
     fn: RewardFn
     weight: float
+    args: dict = field(default_factory=dict)  # the recipe's extra keyword arguments (rewards[i].args)
 
 
 def load_reward(name: str) -> RewardFn:
@@ -202,7 +222,10 @@ def load_rewards(specs: list) -> list[WeightedReward]:
         seen.add(spec.name)
         if not math.isfinite(spec.weight):
             raise UsageError(f"rewards[{i}].weight: {spec.weight} is not a finite number")
-        loaded.append(WeightedReward(spec.name, load_reward(spec.name), float(spec.weight)))
+        args = dict(getattr(spec, "args", None) or {})
+        if clash := sorted(set(args) & set(_RESERVED)):
+            raise UsageError(f"rewards[{i}].args: {', '.join(clash)} is passed by the scorer itself; drop it")
+        loaded.append(WeightedReward(spec.name, load_reward(spec.name), float(spec.weight), args))
     return loaded
 
 
@@ -259,10 +282,10 @@ class RewardFailures:
 
 
 def _call_reward(reward: WeightedReward, completions: list, columns: dict[str, list], answer_format: str,
-                 failures: RewardFailures) -> list[float]:
+                 failures: RewardFailures, extra: dict[str, Any]) -> list[float]:
     n = len(completions)
     try:
-        values = list(reward.fn(completions, **columns, answer_format=answer_format))
+        values = list(reward.fn(completions, **columns, answer_format=answer_format, **extra, **reward.args))
     except Exception as e:
         failures.record(reward.name, n, f"raised {type(e).__name__}: {' '.join(str(e).split())[:200]}")
         return [0.0] * n
@@ -290,12 +313,16 @@ class Scores(NamedTuple):
     per_function: dict[str, list[float]]  # name -> [N] raw scores, in recipe order (the first is the main one)
 
 
-_RESERVED = ("completions", "answer_format")  # keyword names the scorer itself passes
+# keyword names the scorer itself passes (the last two when the caller knows them: grpo train, grpo eval)
+_RESERVED = ("completions", "answer_format", "completion_tokens", "max_new_tokens")
 
 
 def score(rewards: list[WeightedReward], completions: list, columns: dict[str, list], answer_format: str,
-          failures: RewardFailures | None = None) -> Scores:
+          failures: RewardFailures | None = None, completion_tokens: list[int] | None = None,
+          max_new_tokens: int | None = None) -> Scores:
     """Score N completions with every reward; columns are aligned with completions (each [N]).
+    `completion_tokens` ([N] token counts) and `max_new_tokens` (the cap) reach the functions
+    that take them (e.g. `overlong`) when given.
 
     A function that fails scores 0 on the samples it failed, and `failures` (when given)
     counts them; pass one RewardFailures across steps to watch the rate.
@@ -307,7 +334,9 @@ def score(rewards: list[WeightedReward], completions: list, columns: dict[str, l
         if len(values) != len(completions):
             raise ValueError(f"column '{name}' has {len(values)} values for {len(completions)} completions")
     failures = failures if failures is not None else RewardFailures()
-    per_function = {r.name: _call_reward(r, completions, columns, answer_format, failures) for r in rewards}
+    extra = {k: v for k, v in (("completion_tokens", completion_tokens), ("max_new_tokens", max_new_tokens))
+             if v is not None}
+    per_function = {r.name: _call_reward(r, completions, columns, answer_format, failures, extra) for r in rewards}
     total = [sum(r.weight * per_function[r.name][i] for r in rewards) for i in range(len(completions))]
     return Scores(total, per_function)
 

@@ -149,14 +149,32 @@ def build_models(cfg: TrainConfig, task: Task, start: Start, dist: Any) -> Model
 RESUMABLE_CHANGES = ("resume", "output_dir", "trainer.steps", "logging.", "checkpoint.", "eval.every")
 
 
-def check_same_run(saved: dict[str, Any], current: dict[str, Any]) -> None:
-    def flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for k, v in d.items():
-            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-        return out
+# Keys of older versions, with the key that replaced each and how its values translate, so runs saved
+# before a rename still resume.
+RENAMED_KEYS = {"trainer.scale_by_std": ("trainer.advantage", {True: "group_std", False: "group_mean"})}
 
-    a, b = flat(saved), flat(current)
+
+def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def check_same_run(saved: dict[str, Any], current: dict[str, Any]) -> None:
+    """Refuse a resume whose config differs from the run's, except in RESUMABLE_CHANGES. A key the
+    saved run predates counts as unchanged when the current value is the schema's default."""
+    from grpo_cli.config import RewardSpec
+
+    saved = {**saved, "rewards": [{"args": {}, **spec} for spec in saved.get("rewards", [])]}  # args came later
+    a, b = _flat(saved), _flat(current)
+    for old, (new, values) in RENAMED_KEYS.items():
+        if old in a and new not in a:
+            a[new] = values.get(a.pop(old), a.get(old))
+    defaults = _flat(dataclasses.asdict(TrainConfig(task="-", rewards=[RewardSpec(name="-")])))
+    for k in set(b) - set(a):
+        if k in defaults and b[k] == defaults[k]:
+            a[k] = b[k]
     changed = [k for k in sorted(set(a) | set(b))
                if a.get(k) != b.get(k) and not any(k == c or k.startswith(c) for c in RESUMABLE_CHANGES)]
     if changed:

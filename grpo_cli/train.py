@@ -35,7 +35,7 @@ def run(cfg: TrainConfig, run_dir: Path) -> int:
     from grpo_cli.optim import build_optimizer
     from grpo_cli.setup import build_models, preflight, resume_or_start, setup_torch, truncate_metrics
     from grpo_cli.sync import maybe_push_check, push
-    from grpo_cli.update import NonFiniteGuard, score_logprobs, update
+    from grpo_cli.update import NonFiniteGuard, loss_params, score_batch, update
 
     task = preflight(cfg)  # data, rewards, model files, prompt lengths: before any model loads
     setup_torch(cfg)
@@ -52,7 +52,7 @@ def run(cfg: TrainConfig, run_dir: Path) -> int:
     def encode(row: dict[str, Any]) -> list[int]:
         return task.encode(row, cfg)
 
-    t_cfg, engine, policy = cfg.trainer, models.engine, models.policy
+    t_cfg, engine, policy, params = cfg.trainer, models.engine, models.policy, loss_params(cfg)
     started, exit_code = time.time(), 0
     out = RunOutput(cfg, run_dir, history, dist)  # metrics.jsonl (+ wandb), the console, warnings
     stop = GracefulStop()  # Ctrl-C: finish the step, checkpoint, exit 130; a second one exits at once
@@ -70,14 +70,11 @@ def run(cfg: TrainConfig, run_dir: Path) -> int:
             timings = monitor.StepTimer()
             groups = collect_groups(engine, cursor, task.train_rows, encode, task.reward_fns, cfg, step, dist,
                                     timings)  # [P, G]
-            batch = TrainBatch.build(groups, task.tokenizer.pad_token_id, t_cfg, dist)
-            with timings("logprobs"):
-                ref_logprobs = score_logprobs(models.reference, batch, t_cfg.logprob_chunk_tokens,
-                                              cfg.rollout.temperature)
-                for mb, ref_lp in zip(batch.micro_batches, ref_logprobs):
-                    mb.ref_logprobs = ref_lp  # [b, Tc]
+            batch = TrainBatch.build(groups, task.tokenizer.pad_token_id, t_cfg, dist, params)
+            with timings("logprobs"):  # the reference's, and the policy's before the update when it can move
+                penalty = score_batch(policy, models.reference, batch, groups, cfg)
             with timings("update"):
-                stats = update(policy, optimizer, scheduler, batch, cfg, dist)
+                stats = {**update(policy, optimizer, scheduler, batch, params, cfg, dist), **penalty}
             guard.check(stats, step, out.console.warn)
             with timings("push"):
                 push(engine, policy, dist)
@@ -127,6 +124,8 @@ def step_metrics(step: int, groups: Any, batch: Any, stats: dict[str, Any], timi
         "groups/all_correct_frac": float(groups.all_correct.float().mean()),
         "groups/all_wrong_frac": float(groups.all_wrong.float().mean()),
         "groups/kept": int(groups.keep.sum()),
+        "sampling/rounds": groups.rounds,  # > 1 only with rollout.dynamic_sampling
+        "sampling/groups": len(groups.rows),
         "samples": len(lengths),
         "tokens_per_s": rollouts.num_tokens / max(timings["generate"], 1e-9),
         "train_tokens": batch.train_tokens,  # kept samples' prompt + completion tokens (each prompt runs once)

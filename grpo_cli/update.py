@@ -1,9 +1,9 @@
-"""The update stage: logprobs of a frozen model, then the loss over micro-batches and one optimizer step.
+"""The update stage: logprobs of a model without grad, then `ppo_epochs x minibatches` optimizer steps.
 
-Both passes share the train batch's padding and run each kept prompt once
-(`grpo.prompt_states`); the completions of every micro-batch attend to it. In the update
-the prompts' gradient builds up on detached leaves over the micro-batches and goes back
-through the prompt pass once, after the last one.
+Every pass shares the train batch's padding and runs each prompt of a minibatch once
+(`grpo.prompt_states`); the completions of every micro-batch attend to it. In an optimizer
+step the prompts' gradient builds up on detached leaves over the micro-batches and goes
+back through the prompt pass once, after the last one.
 """
 
 from __future__ import annotations
@@ -15,19 +15,76 @@ from grpo_cli.batch import TrainBatch
 from grpo_cli.config import TrainConfig
 
 
+def loss_params(cfg: TrainConfig) -> Any:
+    """The recipe's loss choices as `grpo.LossParams` (the KL leaves the loss when it goes into the reward)."""
+    from grpo_cli import grpo
+
+    t = cfg.trainer
+    return grpo.LossParams(
+        clip_eps=t.clip_eps, clip_eps_high=t.clip_eps_high, kl_coef=0.0 if t.kl_in_reward else t.kl_coef,
+        policy_loss=t.policy_loss, clip_ratio_c=t.clip_ratio_c, kl_estimator=t.kl_estimator,
+        correction=t.mismatch_correction, tis_cap=t.tis_cap, seq_mask_low=t.seq_mask_low,
+        seq_mask_high=t.seq_mask_high, entropy_coef=t.entropy_coef, max_new_tokens=cfg.rollout.max_new_tokens)
+
+
+def needs_old_logprobs(cfg: TrainConfig) -> bool:
+    """Whether the policy can move before a sample is used (more than one optimizer step per batch), or
+    the KL goes into the reward: then the policy's logprobs are taken once, before the first update."""
+    t = cfg.trainer
+    return t.ppo_epochs > 1 or t.minibatches > 1 or t.kl_in_reward
+
+
 def score_logprobs(model: Any, batch: TrainBatch, chunk_tokens: int, temperature: float) -> list[Any]:
-    """A frozen model's logprobs of every micro-batch's completions (no grad): `[b, Tc]` each;
-    all None when there is no model (the reference is not loaded when kl_coef = 0)."""
+    """A model's logprobs of every micro-batch's completions, without grad: `[b, Tc]` each, in the
+    order of `batch.micro_batches`; all None when there is no model (no reference when kl_coef = 0)."""
     if model is None or not batch.micro_batches:
         return [None] * len(batch.micro_batches)
     import torch
 
     from grpo_cli import grpo
 
+    out = []
     with torch.no_grad():
-        prompts = grpo.prompt_states(model, batch.prompt_ids, batch.prompt_mask)  # each kept prompt once
-        return [grpo.completion_logprobs(model, prompts, mb.prompt_index, mb.ids, mb.mask, chunk_tokens,
-                                         temperature=temperature) for mb in batch.micro_batches]  # [b, Tc] each
+        for part in batch.minibatches:
+            prompts = grpo.prompt_states(model, part.prompt_ids, part.prompt_mask)  # each prompt once
+            out += [grpo.completion_logprobs(model, prompts, mb.prompt_index, mb.ids, mb.mask, chunk_tokens,
+                                             temperature=temperature) for mb in part.micro_batches]  # [b, Tc] each
+    return out
+
+
+def score_batch(policy: Any, reference: Any, batch: TrainBatch, groups: Any, cfg: TrainConfig) -> dict[str, float]:
+    """Fill in every micro-batch's reference logprobs and, when the policy can move before a sample is
+    used, its old logprobs; with trainer.kl_in_reward, fold the KL into the advantages. Returns the
+    penalty's stats ({} without kl_in_reward)."""
+    chunk, temperature = cfg.trainer.logprob_chunk_tokens, cfg.rollout.temperature
+    old = score_logprobs(policy if needs_old_logprobs(cfg) else None, batch, chunk, temperature)
+    ref = score_logprobs(reference, batch, chunk, temperature)
+    for mb, old_lp, ref_lp in zip(batch.micro_batches, old, ref):
+        mb.old_logprobs, mb.ref_logprobs = old_lp, ref_lp  # [b, Tc] each (or None)
+    return kl_into_advantages(batch, groups, cfg) if cfg.trainer.kl_in_reward and batch.micro_batches else {}
+
+
+def kl_into_advantages(batch: TrainBatch, groups: Any, cfg: TrainConfig) -> dict[str, float]:
+    """`trainer.kl_in_reward`: r_i <- r_i - kl_coef * sum_t KL_it (the policy before the update vs the
+    reference, `trainer.kl_estimator`), then the advantages of the kept groups again. A completion
+    left out of the loss (mask_truncated) keeps its reward. Returns the mean penalty."""
+    import torch
+
+    from grpo_cli import grpo
+
+    kept = groups.kept()
+    penalty = torch.zeros(len(kept), groups.group_size)  # [P', G]
+    for mb in batch.micro_batches:
+        kl = grpo.KL_ESTIMATORS[cfg.trainer.kl_estimator](mb.old_logprobs, mb.ref_logprobs)  # [b, Tc]
+        per_seq = (kl * mb.mask).sum(-1).cpu()  # [b]
+        for i, j in enumerate(mb.rows):
+            penalty[batch.group_of[j]] = per_seq[i]
+    reward = groups.reward[kept].cpu() - cfg.trainer.kl_coef * penalty  # [P', G]
+    advantages = grpo.ADVANTAGES[cfg.trainer.advantage](reward)  # [P', G]
+    for mb in batch.micro_batches:
+        rows = torch.tensor([list(batch.group_of[j]) for j in mb.rows])  # [b, 2]
+        mb.advantages = advantages[rows[:, 0], rows[:, 1]].to(mb.mask.device)[:, None]  # [b, 1]
+    return {"reward/kl_penalty": float(cfg.trainer.kl_coef * penalty.mean())}
 
 
 def merge_token_means(total: dict[str, float], stats: dict[str, float]) -> None:
@@ -38,33 +95,28 @@ def merge_token_means(total: dict[str, float], stats: dict[str, float]) -> None:
     total["tokens"] = total.get("tokens", 0.0) + stats["tokens"]
 
 
-def update(policy: Any, optimizer: Any, scheduler: Any, batch: TrainBatch, cfg: TrainConfig,
-           dist: Any) -> dict[str, Any]:
-    """One optimizer step on the batch: the loss (trainer.loss) summed over micro-batches, clipped
-    gradient, AdamW, lr schedule. A non-finite loss or gradient (on any rank) skips the step.
-
-    Returns the step's stats: loss; the loss's own stats as token means over the batch (kl,
-    clip_frac, ...); the train/inference mismatch; grad_norm (None when skipped) and
-    skipped_nonfinite.
-    """
+def minibatch_step(policy: Any, optimizer: Any, scheduler: Any, part: Any, params: Any, cfg: TrainConfig,
+                   dist: Any, sums: dict[str, float]) -> tuple[float, float, bool, float, int]:
+    """One optimizer step on one minibatch: the loss summed over its micro-batches, clipped gradient,
+    AdamW (skipped when the loss or gradient is not finite on some rank), lr schedule. Adds the loss's
+    stats into `sums`; returns loss, grad norm, finite, and the mismatch sum and token count."""
     import torch
 
     from grpo_cli import grpo
 
     t_cfg = cfg.trainer
     loss_fn = grpo.LOSSES[t_cfg.loss]
-    params = grpo.LossParams(t_cfg.clip_eps, t_cfg.clip_eps_high, t_cfg.kl_coef)
     optimizer.zero_grad(set_to_none=True)
-    loss_total, sums = 0.0, {}  # sums: each loss stat x tokens, and tokens
-    mismatch_sum, mismatch_tokens = 0.0, 0
-    if batch.micro_batches:
-        prompts = grpo.prompt_states(policy, batch.prompt_ids, batch.prompt_mask)  # with autograd: backward at the end
-        leaves = grpo.prompt_leaves(prompts)  # collect the prompts' gradient over the micro-batches
-    for mb in batch.micro_batches:
-        logps = grpo.completion_logprobs(policy, leaves, mb.prompt_index, mb.ids, mb.mask, t_cfg.logprob_chunk_tokens,
-                                         temperature=cfg.rollout.temperature)  # [b, Tc]
-        inputs = grpo.LossInputs(logps, mb.mask, mb.advantages, ref_logprobs=mb.ref_logprobs,
-                                 sampling_logprobs=mb.sampling_logprobs, normalizer=batch.normalizer)
+    loss_total, mismatch_sum, mismatch_tokens = 0.0, 0.0, 0
+    prompts = grpo.prompt_states(policy, part.prompt_ids, part.prompt_mask)  # with autograd: backward at the end
+    leaves = grpo.prompt_leaves(prompts)  # collect the prompts' gradient over the micro-batches
+    for mb in part.micro_batches:
+        logps, entropy = grpo.completion_logprobs(
+            policy, leaves, mb.prompt_index, mb.ids, mb.mask, t_cfg.logprob_chunk_tokens,
+            temperature=cfg.rollout.temperature, with_entropy=True, entropy_grad=params.entropy_coef > 0)  # [b, Tc] x 2
+        inputs = grpo.LossInputs(logps, mb.mask, mb.advantages, old_logprobs=mb.old_logprobs,
+                                 ref_logprobs=mb.ref_logprobs, sampling_logprobs=mb.sampling_logprobs,
+                                 normalizer=part.normalizer, entropy=entropy)
         loss, stats = loss_fn(inputs, params)
         loss.backward()
         loss_total += float(loss.detach())
@@ -72,23 +124,50 @@ def update(policy: Any, optimizer: Any, scheduler: Any, batch: TrainBatch, cfg: 
         # train/inference mismatch: the engine's sampling logprobs vs the trainer's, same tokens
         mismatch_sum += float(((logps.detach() - mb.sampling_logprobs).abs() * mb.mask).sum())
         mismatch_tokens += int(mb.mask.sum())
-    if batch.micro_batches:
-        grpo.prompt_backward(prompts, leaves)  # the prompts' share of the gradient
-    tokens = sums.pop("tokens", 0.0)
-    means = {key: value / max(tokens, 1.0) for key, value in sums.items()}
+    grpo.prompt_backward(prompts, leaves)  # the prompts' share of the gradient
     grad_norm = float(torch.nn.utils.clip_grad_norm_(policy.parameters(), t_cfg.max_grad_norm))
     finite = dist.all(math.isfinite(grad_norm) and math.isfinite(loss_total))
-    if finite and batch.micro_batches:  # skip a non-finite update: one bad batch must not poison the weights
+    if finite:  # skip a non-finite update: one bad batch must not poison the weights
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     scheduler.step()
-    return {"loss": loss_total, **means, "grad_norm": grad_norm if finite else None,
-            "skipped_nonfinite": int(not finite),
-            "mismatch/mean_abs_logprob": mismatch_sum / max(mismatch_tokens, 1)}
+    return loss_total, grad_norm, finite, mismatch_sum, mismatch_tokens
+
+
+def update(policy: Any, optimizer: Any, scheduler: Any, batch: TrainBatch, params: Any, cfg: TrainConfig,
+           dist: Any) -> dict[str, Any]:
+    """`trainer.ppo_epochs` passes over the batch, each `trainer.minibatches` optimizer steps.
+
+    Returns the step's stats: loss (mean over optimizer steps); the loss's own stats as token
+    means over every pass (kl, clip_frac, ratio, entropy, ...); the train/inference mismatch of
+    the first pass; grad_norm (mean over the steps taken, None when all were skipped) and
+    skipped_nonfinite (optimizer steps skipped).
+    """
+    sums: dict[str, float] = {}  # each loss stat x tokens, and tokens
+    losses, norms, skipped = [], [], 0
+    mismatch_sum, mismatch_tokens = 0.0, 0
+    for epoch in range(cfg.trainer.ppo_epochs):
+        for part in batch.minibatches:
+            loss, grad_norm, finite, m_sum, m_tokens = minibatch_step(policy, optimizer, scheduler, part, params,
+                                                                      cfg, dist, sums)
+            losses.append(loss)
+            norms += [grad_norm] if finite else []
+            skipped += int(not finite)
+            if epoch == 0:
+                mismatch_sum, mismatch_tokens = mismatch_sum + m_sum, mismatch_tokens + m_tokens
+    if not batch.minibatches:  # nothing kept: the schedule still advances by the steps it would have taken
+        optimizer.zero_grad(set_to_none=True)
+        for _ in range(cfg.trainer.ppo_epochs * cfg.trainer.minibatches):
+            scheduler.step()
+    tokens = sums.pop("tokens", 0.0)
+    means = {key: value / max(tokens, 1.0) for key, value in sums.items()}
+    return {"loss": sum(losses) / len(losses) if losses else 0.0, **means,
+            "grad_norm": sum(norms) / len(norms) if norms else None,
+            "skipped_nonfinite": skipped, "mismatch/mean_abs_logprob": mismatch_sum / max(mismatch_tokens, 1)}
 
 
 class NonFiniteGuard:
-    """Counts updates skipped in a row for a non-finite loss or gradient; too many stop the run."""
+    """Counts training steps in a row with a skipped update (a non-finite loss or gradient); too many stop the run."""
 
     def __init__(self, max_bad_steps: int) -> None:
         self.max_bad_steps = max_bad_steps  # trainer.max_bad_steps

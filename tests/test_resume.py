@@ -176,7 +176,7 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
         (["rewards=[{name:test_rewards_mod:boom}]", "rollout.engine=hf"], "failed on most samples"),
         (["rewards=[{name:test_rewards_mod:too_few}]", "rollout.engine=hf"], "returned 1 values for 8"),
         (["rewards=[{name:test_rewards_mod:nan_always}]", "rollout.engine=hf"], "non-finite"),
-        (["rewards=[{name:test_rewards_mod:huge}]", "trainer.scale_by_std=false", "rollout.engine=hf",
+        (["rewards=[{name:test_rewards_mod:huge}]", "trainer.advantage=group_mean", "rollout.engine=hf",
           "trainer.steps=4"], "steps in a row had a non-finite loss or gradient"),
     ],
 )

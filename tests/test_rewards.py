@@ -178,7 +178,7 @@ def custom_module(tmp_path, monkeypatch):
 def test_load_builtin_and_custom(custom_module):
     assert load_reward("correct") is correct
     assert load_reward("format") is format_ok
-    assert set(BUILTIN_REWARDS) == {"correct", "format"}
+    assert set(BUILTIN_REWARDS) == {"correct", "format", "overlong"}
     fn = load_reward(f"{custom_module}:length_penalty")
     assert fn(["abcd"]) == [-0.04]
 
@@ -331,3 +331,25 @@ def test_harness_usage_errors_exit_2_with_one_line(tmp_path, content, message):
     assert message in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
     assert "Traceback" not in result.stderr
+
+
+def test_overlong_is_dapos_soft_punishment_by_hand():
+    from grpo_cli.rewards import overlong
+
+    lengths = [3, 6, 7, 8, 10, 11]  # cap 10, buffer 4: free up to 6, then -1/4 a token, -1 beyond the cap
+    assert overlong(["x"] * 6, completion_tokens=lengths, max_new_tokens=10, buffer=4) == \
+        [0.0, 0.0, -0.25, -0.5, -1.0, -1.0]
+    with pytest.raises(ValueError, match="completion_tokens"):
+        overlong(["x"])
+    with pytest.raises(ValueError, match="buffer"):
+        overlong(["x"], completion_tokens=[1], max_new_tokens=10, buffer=0)
+
+
+def test_reward_args_reach_the_function_and_token_counts_come_from_the_scorer():
+    from grpo_cli.rewards import load_rewards, score
+
+    loaded = load_rewards([RewardSpec(name="overlong", args={"buffer": 2})])
+    scored = score(loaded, ["a", "b"], {}, "answer_line", completion_tokens=[8, 9], max_new_tokens=10)
+    assert scored.per_function["overlong"] == [0.0, -0.5]
+    with pytest.raises(UsageError, match="rewards\\[0\\].args: max_new_tokens is passed by the scorer"):
+        load_rewards([RewardSpec(name="overlong", args={"max_new_tokens": 5})])

@@ -15,6 +15,7 @@ from grpo_cli.batch import TrainBatch
 from grpo_cli.collect import Groups, PromptCursor
 from grpo_cli.config import TrainerConfig
 from grpo_cli.dist import Dist
+from grpo_cli.grpo import LossParams
 from grpo_cli.rewards import RewardFailures, Scores
 from grpo_cli.rollout import Rollouts
 from grpo_cli.update import NonFiniteGuard, merge_token_means
@@ -59,11 +60,12 @@ def test_train_batch_keeps_groups_pads_once_and_normalizes_over_the_full_batch()
     advantages = [[1.0, -1.0], [0.0, 0.0], [0.5, -0.5]]
     groups = groups_of(prompt_ids, completion_ids, advantages, keep=[True, False, True])
     cfg = TrainerConfig(micro_batch_size=3, loss="token_mean")
-    batch = TrainBatch.build(groups, pad_id=0, cfg=cfg, dist=Dist())
+    batch = TrainBatch.build(groups, pad_id=0, cfg=cfg, dist=Dist(), loss_params=LossParams())
     assert batch.prompt_tokens == [[1, 2, 3], [6]]  # the dropped group leaves the batch
-    assert batch.prompt_ids.tolist() == [[1, 2, 3], [6, 0, 0]] and batch.prompt_mask.tolist() == [[1, 1, 1], [1, 0, 0]]
+    (part,) = batch.minibatches
+    assert part.prompt_ids.tolist() == [[1, 2, 3], [6, 0, 0]] and part.prompt_mask.tolist() == [[1, 1, 1], [1, 0, 0]]
     assert batch.completions == [[7], [8, 9], [14, 15], [16]] and batch.prompt_index == [0, 0, 1, 1]
-    assert batch.normalizer == 6.0  # completion tokens of the whole batch, not of one micro-batch
+    assert part.normalizer == 6.0  # completion tokens of the whole batch, not of one micro-batch
     assert batch.train_tokens == 2 * 3 + 2 * 1 + 6
     rows = [j for mb in batch.micro_batches for j in mb.rows]
     assert sorted(rows) == [0, 1, 2, 3] and [len(mb.rows) for mb in batch.micro_batches] == [3, 1]
@@ -74,8 +76,24 @@ def test_train_batch_keeps_groups_pads_once_and_normalizes_over_the_full_batch()
             assert mb.prompt_index[i] == batch.prompt_index[j]
             assert mb.advantages[i, 0] == [1.0, -1.0, 0.5, -0.5][j]
             assert mb.sampling_logprobs[i].tolist() == [-0.5] * n + [0.0] * (mb.ids.shape[1] - n)
-    empty = TrainBatch.build(groups_of(prompt_ids, completion_ids, advantages, [False] * 3), 0, cfg, Dist())
-    assert empty.micro_batches == [] and empty.normalizer == 1.0 and empty.train_tokens == 0
+    empty = TrainBatch.build(groups_of(prompt_ids, completion_ids, advantages, [False] * 3), 0, cfg, Dist(),
+                             LossParams())
+    assert empty.micro_batches == [] and empty.minibatches == [] and empty.train_tokens == 0
+
+
+def test_minibatches_split_whole_groups_and_truncated_completions_can_leave():
+    prompt_ids = [[1], [2, 2], [3, 3, 3]]
+    completion_ids = [[[7], [8, 9]], [[10, 11, 12], [13]], [[14, 15], [16]]]  # [P=3][G=2]
+    groups = groups_of(prompt_ids, completion_ids, [[1.0, -1.0]] * 3, keep=[True] * 3)
+    groups.rollouts.truncated[1][0] = True  # the 3-token completion hit the cap
+    cfg = TrainerConfig(minibatches=2, loss="grpo", mask_truncated=True)
+    batch = TrainBatch.build(groups, pad_id=0, cfg=cfg, dist=Dist(), loss_params=LossParams())
+    assert batch.completions == [[7], [8, 9], [13], [14, 15], [16]]  # [10, 11, 12] left the loss
+    first, second = batch.minibatches
+    assert first.prompt_ids.tolist() == [[1, 0], [2, 2]] and second.prompt_ids.tolist() == [[3, 3, 3]]
+    assert (first.normalizer, second.normalizer) == (3.0, 2.0)  # each optimizer step: its own sequences
+    assert [batch.completions[j] for mb in second.micro_batches for j in mb.rows] == [[16], [14, 15]]
+    assert all(int(i) == 0 for mb in second.micro_batches for i in mb.prompt_index)  # local to its minibatch
 
 
 def test_merge_token_means_weights_by_tokens_and_keeps_every_key():
@@ -132,10 +150,121 @@ def test_two_gloo_ranks_reduce_and_broadcast(tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                          "--master-addr", "127.0.0.1", "--master-port", "0", str(script)],
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          str(script)],
                          capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     lines = sorted(line for line in out.stdout.splitlines() if line.startswith("rank "))
     assert lines == ["rank 0/2 main=True sum=[3.0, 1.0] all=False got=0",
                      "rank 1/2 main=False sum=[3.0, 1.0] all=False got=0"]
+
+
+def tiny_policy(seed: int = 0):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+    return Qwen2ForCausalLM(config).train()
+
+
+def run_update(micro_batch_size: int, ppo_epochs: int = 2, minibatches: int = 2):
+    """One training step's update on a fixed synthetic batch; returns the weights after it and the stats."""
+    from grpo_cli.config import RewardSpec, RolloutConfig, TrainConfig
+    from grpo_cli.optim import build_optimizer
+    from grpo_cli.update import loss_params, score_batch, update
+
+    g = torch.Generator().manual_seed(1)
+    P, G = 4, 4
+    prompt_ids = [torch.randint(1, 40, (3 + p,), generator=g).tolist() for p in range(P)]
+    completion_ids = [[torch.randint(1, 40, (2 + (p + i) % 5,), generator=g).tolist() for i in range(G)]
+                      for p in range(P)]
+    advantages = torch.randn(P, G, generator=g).tolist()
+    groups = groups_of(prompt_ids, completion_ids, advantages, keep=[True] * P)
+    cfg = TrainConfig(task="t", rewards=[RewardSpec(name="correct")], rollout=RolloutConfig(prompts_per_step=P),
+                      trainer=TrainerConfig(lr=3.0, kl_coef=0.0, ppo_epochs=ppo_epochs, minibatches=minibatches,
+                                            micro_batch_size=micro_batch_size, clip_eps=0.2))
+    policy = tiny_policy()
+    _, scheduler = build_optimizer(policy, cfg.trainer)
+    # Plain SGD here: Adam divides by the gradient's own size, so float noise in a near-zero gradient
+    # becomes a full lr step, and weights after Adam cannot show that two splits agree.
+    optimizer = torch.optim.SGD(policy.parameters(), lr=3.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, scheduler.lr_lambdas[0])
+    params = loss_params(cfg)
+    batch = TrainBatch.build(groups, 0, cfg.trainer, Dist(), params)
+    score_batch(policy, None, batch, groups, cfg)
+    stats = update(policy, optimizer, scheduler, batch, params, cfg, Dist())
+    return {k: v.detach().clone() for k, v in policy.state_dict().items()}, stats, scheduler
+
+
+def test_two_epochs_move_the_ratio_and_clip_and_the_micro_batch_split_changes_nothing():
+    whole, stats, scheduler = run_update(micro_batch_size=64)
+    assert stats["ratio"] != pytest.approx(1.0, abs=1e-3) and stats["clip_frac"] > 0  # later steps reuse samples
+    assert scheduler.last_epoch == 4  # 2 epochs x 2 minibatches optimizer steps, each counted by the schedule
+    split, split_stats, _ = run_update(micro_batch_size=1)
+    for name, value in whole.items():
+        torch.testing.assert_close(split[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    for key in ("loss", "ratio", "clip_frac", "kl", "entropy", "grad_norm"):
+        assert split_stats[key] == pytest.approx(stats[key], rel=1e-5, abs=1e-7), key
+
+
+def test_one_epoch_one_minibatch_keeps_the_ratio_at_one():
+    _, stats, scheduler = run_update(micro_batch_size=3, ppo_epochs=1, minibatches=1)
+    assert stats["ratio"] == pytest.approx(1.0) and stats["clip_frac"] == 0.0 and scheduler.last_epoch == 1
+
+
+@pytest.fixture(scope="module")
+def hf_engine(tmp_path_factory):
+    """transformers generate on a tiny random model with the shipped tokenizer: a real engine, in seconds."""
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    from grpo_cli.checkpoint import resolve_model_path
+    from grpo_cli.rollout import HFEngine
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("builtin:bike_base"))
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    return HFEngine(Qwen2ForCausalLM(config), tokenizer), tokenizer
+
+
+def even_rows_solved(completions, id, **kwargs):
+    """Every sample of an even row scores 1 (no variance); odd rows score by text length parity."""
+    return [1.0 if i % 2 == 0 else float(len(c) % 2) for c, i in zip(completions, id)]
+
+
+def test_dynamic_sampling_adds_rounds_until_enough_groups_have_signal(hf_engine):
+    from grpo_cli.collect import collect_groups
+    from grpo_cli.config import RewardSpec, RolloutConfig, TrainConfig
+    from grpo_cli.monitor import StepTimer
+    from grpo_cli.rewards import WeightedReward
+
+    engine, tokenizer = hf_engine
+    rows = [{"id": i, "question": f"q{i}"} for i in range(40)]
+    rewards = [WeightedReward("even_rows_solved", even_rows_solved, 1.0)]
+
+    def encode(row):
+        return tokenizer(row["question"], add_special_tokens=False)["input_ids"]
+
+    cfg = TrainConfig(task="t", rewards=[RewardSpec(name="correct")],
+                      rollout=RolloutConfig(prompts_per_step=4, group_size=4, max_new_tokens=6, dynamic_sampling=True,
+                                            max_sampling_rounds=5))
+
+    def collect(cursor):
+        return collect_groups(engine, cursor, rows, encode, rewards, cfg, 3, Dist(), StepTimer())
+
+    cursor = PromptCursor(len(rows), seed=0)
+    groups = collect(cursor)
+    varied = ~(groups.all_correct | groups.all_wrong)
+    assert groups.rounds >= 2 and len(groups.rows) == 4 * groups.rounds  # each round: 4 more prompts
+    assert int(groups.keep.sum()) == 4  # exactly prompts_per_step groups enter the loss...
+    assert bool((varied | ~groups.keep).all())  # ...each with reward variance
+    assert all(r["id"] % 2 == 1 for r, k in zip(groups.rows, groups.keep.tolist()) if k)
+    assert cursor.position == 4 * groups.rounds
+    again = collect(PromptCursor(len(rows), seed=0))  # a pure function of (seed, step, round, prompt)
+    assert again.rollouts.completion_ids == groups.rollouts.completion_ids
+    cfg.rollout.dynamic_sampling = False
+    single = collect(PromptCursor(len(rows), seed=0))
+    assert single.rounds == 1 and bool(single.keep.all())  # off: one round, every group kept
+    assert single.rollouts.completion_ids == groups.rollouts.completion_ids[:4]  # round 0 samples as before

@@ -49,6 +49,8 @@ COMMANDS: dict[str, Command] = {
     "train": Command("train a policy with GRPO on a recipe", "grpo_cli.train:run", True),
     "eval": Command("evaluate checkpoints on the held-out set", "grpo_cli.evaluate:run", False, needs_recipe=False,
                     recipe_from="grpo_cli.evaluate:run_config_path"),
+    "check": Command("print a recipe's batch arithmetic and settings that do nothing (loads no model)",
+                     "grpo_cli.check:run_check", False),
     "reward": Command("score hand-written completions with a recipe's rewards", "grpo_cli.rewards:run_cases", False),
     "export": Command("write a recipe's generated problems to JSONL", "grpo_cli.data:run_export", False),
     "plot": Command("plot a run's metrics to a PNG", "grpo_cli.plot:run_plot", False, needs_recipe=False),

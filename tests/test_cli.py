@@ -217,3 +217,31 @@ def test_load_config_builds_the_typed_config_the_cli_would():
     assert cfg.rollout.group_size == 16 and cfg.task == "bike_pricing"
     with pytest.raises(UsageError, match="did you mean 'trainer.lr'"):
         load_config("train", ["recipe=bike_pricing", "trainer.lrr=1"])
+
+
+def test_check_prints_the_batch_arithmetic_and_warns_about_settings_that_do_nothing():
+    code = (
+        "import sys\n"
+        "from grpo_cli.cli import main\n"
+        "try:\n"
+        "    main(sys.argv[1:])\n"
+        "except SystemExit as e:\n"
+        "    assert not e.code, e.code\n"
+        "heavy = [m for m in ('torch', 'vllm', 'transformers') if m in sys.modules]\n"
+        "print('HEAVY=' + ','.join(heavy))\n"
+    )
+    args = ["check", "recipe=bike_pricing", "trainer.ppo_epochs=2", "trainer.minibatches=2",
+            "rollout.dynamic_sampling=true"]
+    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "8 prompts (up to 32 over 4 dynamic-sampling rounds) x 8 samples = 64 completions" in out.stdout
+    assert "2 epoch(s) x 2 minibatch(es) = 4 per rollout batch, 1040 in 260 steps" in out.stdout
+    assert "parameters -> policy + grads + AdamW" in out.stdout  # read off the shipped model's config.json
+    assert "no setting without effect found" in out.stdout and "HEAVY=\n" in out.stdout  # no model loaded
+
+    warned = grpo("check", "recipe=bike_pricing", "trainer.policy_loss=gspo", "rollout.group_size=2")
+    assert warned.returncode == 0, warned.stderr
+    assert "trainer.policy_loss=gspo: with one optimizer step per batch the ratio is exactly 1" in warned.stdout
+    assert "group_size=2 with trainer.advantage=group_std" in warned.stdout
+    bad = grpo("check", "recipe=bike_pricing", "trainer.minibatches=9")
+    assert bad.returncode == 2 and "trainer.minibatches: 9 exceeds rollout.prompts_per_step=8" in bad.stderr

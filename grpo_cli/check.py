@@ -1,0 +1,118 @@
+"""`grpo check recipe=X [overrides]`: the batch arithmetic of a config and the settings that do nothing.
+
+Loads no model and imports no torch: the numbers come from the config and the model's
+config.json, so it answers in about a second, before a run is started.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from grpo_cli.config import TrainConfig
+
+FP32_BYTES = 4
+
+
+def model_shape(name_or_path: str) -> dict[str, Any] | None:
+    """The model's config.json as a dict, or None when it is not a local directory (a hub id)."""
+    from grpo_cli.checkpoint import resolve_model_path
+
+    try:
+        path = Path(resolve_model_path(name_or_path)) / "config.json"
+    except FileNotFoundError:
+        return None
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def parameter_count(shape: dict[str, Any]) -> int:
+    """Parameters of a Llama/Qwen2-style decoder from its config: embeddings, attention, MLP, norms, head."""
+    H, L, V = shape["hidden_size"], shape["num_hidden_layers"], shape["vocab_size"]
+    inter = shape.get("intermediate_size", 4 * H)
+    heads = shape.get("num_attention_heads", 1)
+    kv = shape.get("num_key_value_heads", heads) * shape.get("head_dim", H // heads)
+    attention = H * H * 2 + H * kv * 2 + (H + 2 * kv if shape.get("model_type") == "qwen2" else 0)  # q, o, k, v (+ bias)
+    layer = attention + 3 * H * inter + 2 * H
+    head = 0 if shape.get("tie_word_embeddings", False) else V * H
+    return V * H + L * layer + H + head
+
+
+def batch_lines(cfg: TrainConfig, world_size: int) -> list[str]:
+    """The step's arithmetic: prompts, completions, optimizer steps, tokens."""
+    r, t = cfg.rollout, cfg.trainer
+    P, G = r.prompts_per_step, r.group_size
+    rounds = r.max_sampling_rounds if r.dynamic_sampling else 1
+    updates = t.ppo_epochs * t.minibatches
+    sampled = f"{P} prompts" + (f" (up to {P * rounds} over {rounds} dynamic-sampling rounds)" if rounds > 1 else "")
+    return [
+        f"per step: {sampled} x {G} samples = {P * G} completions in the loss; "
+        f"per rank ({world_size}): {P // world_size} prompts, {P * G // world_size} completions",
+        f"optimizer steps: {t.ppo_epochs} epoch(s) x {t.minibatches} minibatch(es) = {updates} per rollout batch, "
+        f"{updates * t.steps} in {t.steps} steps (the lr schedule counts these)",
+        f"completion tokens per step: at most {P * G * r.max_new_tokens} (P x G x rollout.max_new_tokens="
+        f"{r.max_new_tokens}); micro-batches of <= {t.micro_batch_size} completions"
+        + (f" and <= {t.micro_batch_tokens} padded tokens" if t.micro_batch_tokens else ""),
+    ]
+
+
+def memory_lines(cfg: TrainConfig, shape: dict[str, Any] | None, world_size: int) -> list[str]:
+    """A rough fp32 estimate: weights, gradients, AdamW's two moments, the reference, one logits chunk."""
+    if shape is None:
+        return [f"memory: {cfg.model.name_or_path} is not a local model directory; no estimate"]
+    params = parameter_count(shape)
+    gib = 2 ** 30
+    train = params * FP32_BYTES * 4 / world_size  # weights + grads + 2 Adam moments (sharded over ranks)
+    ref = params * FP32_BYTES / world_size if cfg.trainer.kl_coef > 0 else 0
+    logits = cfg.trainer.logprob_chunk_tokens * shape["vocab_size"] * FP32_BYTES * 3  # logits, softmax, grad
+    return [f"memory (fp32, per rank, estimate): {params / 1e6:.1f}M parameters -> policy + grads + AdamW "
+            f"{train / gib:.2f} GiB, reference {ref / gib:.2f} GiB, one logits chunk {logits / gib:.3f} GiB; "
+            "activations and the rollout engine's KV cache come on top"]
+
+
+def warnings(cfg: TrainConfig) -> list[str]:
+    """Settings that change nothing in this config, each with the reason."""
+    r, t = cfg.rollout, cfg.trainer
+    one_update = t.ppo_epochs * t.minibatches == 1
+    out = []
+    if one_update and t.mismatch_correction == "none":
+        ratio_knobs = [k for k, on in (("trainer.clip_eps_high", t.clip_eps_high is not None),
+                                       ("trainer.clip_ratio_c", t.clip_ratio_c is not None),
+                                       ("trainer.policy_loss=gspo", t.policy_loss == "gspo")) if on]
+        if ratio_knobs:
+            out.append(f"{', '.join(ratio_knobs)}: with one optimizer step per batch the ratio is exactly 1, so "
+                       "clipping never acts; set trainer.ppo_epochs or trainer.minibatches > 1")
+    if t.policy_loss == "gspo" and t.clip_eps >= 0.05:
+        out.append(f"trainer.policy_loss=gspo with clip_eps={t.clip_eps}: sequence ratios rarely leave that band; "
+                   "the GSPO paper clips at 3e-4 / 4e-4")
+    if t.kl_coef == 0 and t.kl_estimator != "k3":
+        out.append(f"trainer.kl_estimator={t.kl_estimator} with trainer.kl_coef=0: there is no KL term")
+    if r.group_size == 2 and t.advantage == "group_std":
+        out.append("rollout.group_size=2 with trainer.advantage=group_std: every advantage is +1, -1 or 0 whatever "
+                   "the reward gap; use a larger group or trainer.advantage=group_mean")
+    if t.filter_zero_variance and t.kl_coef == 0 and t.entropy_coef == 0:
+        out.append("trainer.filter_zero_variance without a KL or entropy term: all-equal groups already have zero "
+                   "advantage, so the filter only changes the loss's normalizer")
+    if r.dynamic_sampling and t.filter_zero_variance:
+        out.append("trainer.filter_zero_variance with rollout.dynamic_sampling: dynamic sampling keeps only groups "
+                   "with reward variance already")
+    if t.mismatch_correction == "none" and (t.tis_cap != 2.0 or (t.seq_mask_low, t.seq_mask_high) != (0.5, 2.0)):
+        out.append("trainer.tis_cap / seq_mask_*: unused with trainer.mismatch_correction=none")
+    if r.dynamic_sampling and r.max_sampling_rounds == 1:
+        out.append("rollout.dynamic_sampling with max_sampling_rounds=1: no further round is ever sampled")
+    return out
+
+
+def run_check(cfg: TrainConfig, run_dir: Any) -> int:
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    print(f"grpo check: {cfg.task} | model {cfg.model.name_or_path} | {cfg.trainer.steps} steps")
+    lines = batch_lines(cfg, world_size) + memory_lines(cfg, model_shape(cfg.model.name_or_path), world_size)
+    for line in lines:
+        print(f"  {line}")
+    found = warnings(cfg)
+    for line in found:
+        print(f"  warning: {line}")
+    if not found:
+        print("  no setting without effect found")
+    return 0

@@ -100,18 +100,26 @@ def test_atomic_save_leaves_previous_checkpoint_usable(workdir, tmp_path, monkey
     assert load_policy(str(run_dir / "checkpoints" / "step_000001"), "float32") is not None
 
 
-def test_resume_after_sigkill_gives_the_same_weights(workdir):
+# The update's menu with more than one optimizer step per batch, extra sampling rounds and every
+# correction on: the cursor, the rounds' seeds, the old logprobs and the schedule must all resume exactly.
+MENU = ("trainer.ppo_epochs=2", "trainer.minibatches=2", "rollout.dynamic_sampling=true", "trainer.policy_loss=gspo",
+        "trainer.mismatch_correction=tis", "trainer.kl_in_reward=true", "trainer.entropy_coef=0.01")
+
+
+@pytest.mark.parametrize("menu", [(), MENU], ids=["default", "menu"])
+def test_resume_after_sigkill_gives_the_same_weights(workdir, menu):
     from safetensors.torch import load_file
 
-    straight = run(workdir, "straight", "trainer.steps=4")
+    straight_dir, killed = f"straight_{len(menu)}", f"killed_{len(menu)}"
+    straight = run(workdir, straight_dir, "trainer.steps=4", *menu)
     assert straight.returncode == 0, straight.stderr[-2000:]
 
-    proc = subprocess.Popen(args(workdir, "killed", "trainer.steps=4", "checkpoint.every=2"), cwd=workdir,
+    proc = subprocess.Popen(args(workdir, killed, "trainer.steps=4", "checkpoint.every=2", *menu), cwd=workdir,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 600
     marker = None
     while time.time() < deadline and proc.poll() is None:
-        found = list((workdir / "killed").glob("bike_pricing/*/checkpoints/step_000002/checkpoint.json"))
+        found = list((workdir / killed).glob("bike_pricing/*/checkpoints/step_000002/checkpoint.json"))
         if found:
             marker = found[0]
             break
@@ -122,21 +130,23 @@ def test_resume_after_sigkill_gives_the_same_weights(workdir):
     assert proc.returncode == -signal.SIGKILL
     assert not (marker.parents[1] / "final").exists()
 
-    resumed = run(workdir, "killed", "trainer.steps=4", "checkpoint.every=2", "resume=auto")
+    resumed = run(workdir, killed, "trainer.steps=4", "checkpoint.every=2", "resume=auto", *menu)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    a = load_file(only_run_dir(workdir, "straight") / "checkpoints" / "final" / "model.safetensors")
-    b = load_file(only_run_dir(workdir, "killed") / "checkpoints" / "final" / "model.safetensors")
+    a = load_file(only_run_dir(workdir, straight_dir) / "checkpoints" / "final" / "model.safetensors")
+    b = load_file(only_run_dir(workdir, killed) / "checkpoints" / "final" / "model.safetensors")
     assert a.keys() == b.keys()
     assert all(a[k].equal(b[k]) for k in a)  # bit-exact
     steps = [json.loads(line)["step"] for line in
-             (only_run_dir(workdir, "killed") / "metrics.jsonl").read_text().splitlines()]
+             (only_run_dir(workdir, killed) / "metrics.jsonl").read_text().splitlines()]
     assert steps == [0, 1, 2, 3, 4]  # steps logged after the checkpoint were replayed, not duplicated
+    if menu:
+        return  # the refusals below do not depend on the loss
 
-    again = run(workdir, "killed", "trainer.steps=4", "resume=auto")
+    again = run(workdir, killed, "trainer.steps=4", "resume=auto")
     assert again.returncode == 2
     assert "nothing to resume" in again.stderr and "trainer.steps" in again.stderr
 
-    changed = run(workdir, "killed", "trainer.steps=6", "trainer.lr=5e-3", "resume=auto")
+    changed = run(workdir, killed, "trainer.steps=6", "trainer.lr=5e-3", "resume=auto")
     assert changed.returncode == 2 and "trainer.lr" in changed.stderr
 
 

@@ -36,7 +36,7 @@ def _require(ok: bool, key: str, message: str) -> None:
 @dataclass
 class ModelConfig:
     name_or_path: str = BUILTIN_MODEL  # local HF directory, hub id, or "builtin:NAME" for a model shipped in grpo_cli/models
-    dtype: str = "float32"  # weights dtype for training and rollout: float32 | bfloat16 | float16
+    dtype: str = "float32"  # compute dtype: float32 | bfloat16 | float16; on CUDA the trainer keeps fp32 master weights and autocasts
     max_context_tokens: int | None = None  # cap on prompt+completion tokens; None = the model's max_position_embeddings
 
     def __post_init__(self) -> None:
@@ -84,13 +84,18 @@ class RolloutConfig:
     kv_cache_gib: float = 1.0  # vLLM KV-cache size in GiB of host RAM (CPU) or device memory (GPU)
     gpu_memory_utilization: float = 0.5  # vLLM's fraction of GPU memory (GPU only; on CPU kv_cache_gib is used)
     push_check_every: int = 10  # every N steps compare vLLM logprobs with the trainer's after a weight push; 0 = never
-    push_check_tol: float = 1e-3  # max mean |logprob difference| before the run stops with a stale-weights error
+    push_check_tol: float = 1e-3  # max mean |logprob difference| before the run stops with a stale-weights error (>= 0.02 in bf16/fp16)
+    sleep_mode: str = "auto"  # vLLM sleep mode: "auto" (on when vLLM shares a CUDA device with the trainer) | "on" | "off"
+    sleep_level: int = 1  # 1: vLLM's weights go to host memory and its KV cache is dropped while the trainer steps; 2: both dropped
     dynamic_sampling: bool = False  # DAPO: sample more prompts until prompts_per_step groups have reward variance
     max_sampling_rounds: int = 4  # dynamic sampling: at most this many rounds of prompts_per_step prompts a step
 
     def __post_init__(self) -> None:
         _require(self.engine in ("vllm", "hf"), "rollout.engine", f"'{self.engine}' is not one of vllm, hf")
         _require(self.max_sampling_rounds >= 1, "rollout.max_sampling_rounds", "must be >= 1")
+        _require(self.sleep_mode in ("auto", "on", "off"), "rollout.sleep_mode",
+                 f"'{self.sleep_mode}' is not one of auto, on, off")
+        _require(self.sleep_level in (1, 2), "rollout.sleep_level", f"is {self.sleep_level}; vLLM has levels 1 and 2")
         _require(self.group_size >= 2, "rollout.group_size",
                  f"is {self.group_size}; a group needs >= 2 completions for a relative advantage")
         _require(self.prompts_per_step >= 1, "rollout.prompts_per_step", "must be >= 1")
@@ -135,6 +140,8 @@ class TrainerConfig:
     micro_batch_tokens: int = 0  # and at most this many padded completion tokens per pass (0 = no cap); memory knob too
     logprob_chunk_tokens: int = 1024  # tokens per logits chunk when computing logprobs; bounds the [tokens, vocab] buffer
     threads: int = 0  # torch CPU threads for the trainer; 0 = all cores
+    device: str = "auto"  # the trainer's device: "auto" (cuda:LOCAL_RANK when CUDA is present, else cpu) | "cpu" | "cuda[:N]"
+    offload_optimizer: bool = False  # move AdamW's state to host memory while vLLM generates (frees GPU memory for the KV cache)
     seed: int = 0  # run seed: prompt order, sampling, init of anything random
     deterministic: bool = False  # torch deterministic algorithms (for bit-exact resume on CPU)
     max_bad_steps: int = 3  # non-finite loss or gradient: the step is skipped; this many in a row stop the run
@@ -171,6 +178,8 @@ class TrainerConfig:
         _require(len(self.betas) == 2, "trainer.betas", "must be two numbers, e.g. [0.9,0.99]")
         _require(self.max_grad_norm > 0, "trainer.max_grad_norm", "must be > 0")
         _require(self.threads >= 0, "trainer.threads", "must be >= 0 (0 = all cores)")
+        _require(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "trainer.device",
+                 f"'{self.device}' is not one of auto, cpu, cuda, cuda:N")
         _require(self.max_bad_steps >= 1, "trainer.max_bad_steps", "must be >= 1")
 
 
@@ -229,6 +238,10 @@ class TrainConfig:
         _require(len(self.rewards) > 0, "rewards", "no reward functions; add e.g. rewards=[{name:correct,weight:1.0}]")
         for i, spec in enumerate(self.rewards):
             _require(spec.weight == spec.weight, f"rewards[{i}].weight", "is NaN")
+        _require(self.model.dtype == "float32" or self.rollout.push_check_tol >= 0.02 or not self.rollout.push_check_every,
+                 "rollout.push_check_tol", f"{self.rollout.push_check_tol} is below {self.model.dtype}'s round-off, "
+                 "which alone moves the engine's and the trainer's logprobs further; set it to 0.05 (or turn the "
+                 "check off with rollout.push_check_every=0)")
         _require(self.trainer.minibatches <= self.rollout.prompts_per_step, "trainer.minibatches",
                  f"{self.trainer.minibatches} exceeds rollout.prompts_per_step={self.rollout.prompts_per_step}: "
                  "minibatches split the step's groups")

@@ -22,19 +22,47 @@ class Dist:
     device: Any = "cpu"  # torch.device every tensor of the loop is made on
 
     @classmethod
-    def init(cls, backend: str = "gloo") -> Dist:
-        """This process's place in the job, from the launcher's environment (none: one process on the CPU)."""
+    def init(cls, device: str = "cpu") -> Dist:
+        """This process's place in the job, from the launcher's environment (none: one process).
+
+        `device` is trainer.device: "auto" is cuda:LOCAL_RANK when CUDA is present, else the CPU.
+        """
         import torch
 
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        if device == "auto":
+            device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
+        elif device == "cuda":
+            device = f"cuda:{local_rank}"
+        chosen = torch.device(device)
+        if chosen.type == "cuda":
+            torch.cuda.set_device(chosen)
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         if world_size == 1:
-            return cls(device=torch.device("cpu"))
+            return cls(device=chosen)
         import torch.distributed as torch_dist
 
         if not torch_dist.is_initialized():
-            torch_dist.init_process_group(backend)
-        return cls(rank=torch_dist.get_rank(), world_size=world_size,
-                   local_rank=int(os.environ.get("LOCAL_RANK", "0")), device=torch.device("cpu"))
+            torch_dist.init_process_group("nccl" if chosen.type == "cuda" else "gloo")
+        return cls(rank=torch_dist.get_rank(), world_size=world_size, local_rank=local_rank, device=chosen)
+
+    def autocast(self, dtype: str) -> Any:
+        """The forward passes' compute context: bf16/fp16 autocast over fp32 master weights on CUDA;
+        nothing on the CPU, where the weights themselves are in `dtype` (float32 by default)."""
+        import contextlib
+
+        import torch
+
+        if torch.device(self.device).type != "cuda" or dtype == "float32":
+            return contextlib.nullcontext()
+        return torch.autocast("cuda", dtype={"bfloat16": torch.bfloat16, "float16": torch.float16}[dtype])
+
+    def master_dtype(self, dtype: str) -> str:
+        """The dtype the trainable weights are loaded in: float32 on CUDA (autocast computes in `dtype`),
+        `dtype` itself on the CPU, as before."""
+        import torch
+
+        return "float32" if torch.device(self.device).type == "cuda" else dtype
 
     @property
     def is_main(self) -> bool:

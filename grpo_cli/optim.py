@@ -63,3 +63,12 @@ def build_optimizer(model: Any, cfg: Any) -> tuple[Any, Any]:
     total = cfg.steps * cfg.ppo_epochs * cfg.minibatches  # optimizer steps in the whole run
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: schedule(s, cfg.warmup_steps, total))
     return optimizer, scheduler
+
+
+def move_optimizer_state(optimizer: Any, device: Any) -> None:
+    """AdamW's moment buffers to `device` (host memory while vLLM generates, back for the update);
+    the step counters stay where they are. A no-op when they are there already."""
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if key != "step" and hasattr(value, "to"):
+                state[key] = value.to(device, non_blocking=True)

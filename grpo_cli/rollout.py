@@ -9,9 +9,15 @@ lives here. Two engines with the same small interface, picked from `ENGINES`:
   `load_weights` fails there; see shared/DESIGN.md), then the prefix cache is
   reset so no KV block computed with old weights is reused.
 - `HFEngine`: transformers `generate` on the trainer's own policy module, for
-  machines without vLLM. It shares the policy's parameters, so a push is a no-op.
+  machines without vLLM (CPU or CUDA). It shares the policy's parameters, so a
+  push is a no-op.
 
-Every engine returns `Rollouts` laid out `[prompts][group_size]`.
+Every engine returns `Rollouts` laid out `[prompts][group_size]`, and has `sleep`,
+`wake_weights` and `wake_kv_cache`: with vLLM's sleep mode on (a GPU shared with the
+trainer) the engine frees its memory while the trainer steps; otherwise they do nothing.
+The loop calls them in this order each step: generate -> sleep -> (trainer) ->
+wake_weights -> push_weights -> wake_kv_cache -> (push check, next generate), so the
+weights are pushed into woken memory and the check runs on what will sample.
 """
 
 from __future__ import annotations
@@ -83,7 +89,7 @@ class VLLMEngine:
     """An in-process vLLM engine sampling groups with n=G."""
 
     def __init__(self, model_path: str, model: ModelConfig, rollout: RolloutConfig, seed: int,
-                 show_progress: bool = False) -> None:
+                 show_progress: bool = False, sleep: bool = False) -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: weight push by reference
         import torch
         from vllm import LLM
@@ -93,8 +99,12 @@ class VLLMEngine:
         os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
         kwargs: dict[str, Any] = {}
         self.on_cpu = not torch.cuda.is_available()
+        self.sleep_level = rollout.sleep_level
+        self.sleeping = False
+        self.sleep_enabled = sleep and not self.on_cpu  # vLLM's sleep mode needs CUDA memory
         if not self.on_cpu:
             kwargs["gpu_memory_utilization"] = rollout.gpu_memory_utilization
+            kwargs["enable_sleep_mode"] = self.sleep_enabled
         else:
             # On the CPU backend the default reservation fails on small hosts: size it explicitly.
             kwargs["kv_cache_memory_bytes"] = int(rollout.kv_cache_gib * 2**30)
@@ -162,7 +172,27 @@ class VLLMEngine:
             weights = [(name, tensor.detach()) for name, tensor in named_tensors]
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights),
                                                           "is_checkpoint_format": True})
-        self.llm.reset_prefix_cache()
+        if not self.sleeping:  # a sleeping KV cache is reset when it wakes (wake_kv_cache)
+            self.llm.reset_prefix_cache()
+
+    def sleep(self) -> None:
+        """Free the GPU for the trainer: level 1 moves the weights to host memory and drops the KV
+        cache, level 2 drops both (the next push refills the weights)."""
+        if self.sleep_enabled and not self.sleeping:
+            self.llm.sleep(level=self.sleep_level)
+            self.sleeping = True
+
+    def wake_weights(self) -> None:
+        """Weights first, KV cache after the push: waking both at once while the trainer still holds
+        its memory is where peers ran out of memory."""
+        if self.sleep_enabled and self.sleeping:
+            self.llm.wake_up(tags=["weights"])
+
+    def wake_kv_cache(self) -> None:
+        if self.sleep_enabled and self.sleeping:
+            self.llm.wake_up(tags=["kv_cache"])
+            self.sleeping = False
+            self.llm.reset_prefix_cache()  # no block computed with the old weights may be reused
 
     def score(self, sequences: list[list[int]]) -> list[list[float]]:
         """The engine's logprob of tokens 1.. of each sequence (teacher-forced), for the push check."""
@@ -177,9 +207,12 @@ class VLLMEngine:
 class HFEngine:
     """transformers `generate` on the trainer's policy itself (no vLLM needed, slower)."""
 
-    def __init__(self, policy: Any, tokenizer: Any) -> None:
+    def __init__(self, policy: Any, tokenizer: Any, autocast: Any = None) -> None:
+        import contextlib
+
         self.policy = policy
         self.tokenizer = tokenizer
+        self.autocast = autocast or contextlib.nullcontext  # () -> the compute context (bf16 autocast on CUDA)
 
     def generate(
         self,
@@ -197,10 +230,11 @@ class HFEngine:
         completion_ids, logprobs, texts, truncated = [], [], [], []
         was_training = self.policy.training
         self.policy.eval()
+        device = next(self.policy.parameters()).device
         for ids, seed in zip(prompt_ids, seeds):
             torch.manual_seed(seed)
-            input_ids = torch.tensor([ids] * group_size)  # [G, T_prompt]
-            with torch.no_grad():
+            input_ids = torch.tensor([ids] * group_size, device=device)  # [G, T_prompt]
+            with torch.no_grad(), self.autocast():
                 out = self.policy.generate(
                     input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=True,
                     temperature=temperature, top_p=top_p, top_k=0, max_new_tokens=max_new_tokens,
@@ -226,22 +260,40 @@ class HFEngine:
     def push_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
         """Nothing to do: this engine samples from the trainer's own parameters."""
 
+    def sleep(self) -> None:
+        """Nothing to free: the trainer's own module."""
+
+    def wake_weights(self) -> None:
+        """Nothing to wake."""
+
+    def wake_kv_cache(self) -> None:
+        """Nothing to wake."""
+
     def score(self, sequences: list[list[int]]) -> list[list[float]]:
         import torch
 
+        device = next(self.policy.parameters()).device
         out = []
-        with torch.no_grad():
+        with torch.no_grad(), self.autocast():
             for seq in sequences:
-                logits = self.policy(torch.tensor([seq])).logits[0, :-1].float()  # [T-1, V]
-                out.append(logits.log_softmax(-1).gather(-1, torch.tensor(seq[1:])[:, None])[:, 0].tolist())
+                logits = self.policy(torch.tensor([seq], device=device)).logits[0, :-1].float()  # [T-1, V]
+                targets = torch.tensor(seq[1:], device=device)[:, None]  # [T-1, 1]
+                out.append(logits.log_softmax(-1).gather(-1, targets)[:, 0].tolist())
         return out
 
 
+def sleep_wanted(rollout: RolloutConfig, trainer_device: Any) -> bool:
+    """rollout.sleep_mode: "auto" sleeps when the trainer is on CUDA too (one GPU, shared)."""
+    return {"on": True, "off": False, "auto": str(trainer_device).startswith("cuda")}[rollout.sleep_mode]
+
+
 def build_engine(name: str, model_path: str, model: ModelConfig, rollout: RolloutConfig, seed: int,
-                 policy: Any, tokenizer: Any, show_progress: bool = False) -> VLLMEngine | HFEngine:
+                 policy: Any, tokenizer: Any, show_progress: bool = False, trainer_device: Any = "cpu",
+                 autocast: Any = None) -> VLLMEngine | HFEngine:
     """The engine named by `rollout.engine` (the table keeps the loop free of engine branches)."""
     builders = {
-        "vllm": lambda: VLLMEngine(model_path, model, rollout, seed, show_progress),
-        "hf": lambda: HFEngine(policy, tokenizer),
+        "vllm": lambda: VLLMEngine(model_path, model, rollout, seed, show_progress,
+                                   sleep=sleep_wanted(rollout, trainer_device)),
+        "hf": lambda: HFEngine(policy, tokenizer, autocast),
     }
     return builders[name]()

@@ -43,6 +43,11 @@ def preflight(cfg: TrainConfig) -> Task:
     from grpo_cli import data, rewards
     from grpo_cli.checkpoint import load_tokenizer, resolve_model_path
 
+    if cfg.trainer.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UsageError(f"trainer.device={cfg.trainer.device}: no CUDA device here; use trainer.device=auto or cpu")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise UsageError(f"WORLD_SIZE={os.environ['WORLD_SIZE']}: training over several processes is not built "
                          "yet (issue 15); run one process")
@@ -133,14 +138,16 @@ def build_models(cfg: TrainConfig, task: Task, start: Start, dist: Any) -> Model
     from grpo_cli.checkpoint import load_policy
     from grpo_cli.rollout import build_engine
 
-    policy = load_policy(start.path, cfg.model.dtype).to(dist.device)
+    # fp32 master weights on CUDA (the passes autocast to model.dtype); on the CPU model.dtype itself
+    policy = load_policy(start.path, dist.master_dtype(cfg.model.dtype)).to(dist.device)
     policy.train()
     policy.config.use_cache = False
     reference = None
-    if cfg.trainer.kl_coef > 0:
+    if cfg.trainer.kl_coef > 0:  # frozen: stored in the compute dtype itself
         reference = load_policy(task.model_path, cfg.model.dtype).to(dist.device).eval().requires_grad_(False)
     engine = build_engine(cfg.rollout.engine, start.path, cfg.model, cfg.rollout, cfg.trainer.seed, policy,
-                          task.tokenizer, show_progress=cfg.logging.verbose_libraries)
+                          task.tokenizer, show_progress=cfg.logging.verbose_libraries, trainer_device=dist.device,
+                          autocast=lambda: dist.autocast(cfg.model.dtype))
     return Models(policy, reference, engine)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from grpo_cli.batch import TrainBatch
-from grpo_cli.config import RolloutConfig
+from grpo_cli.config import RolloutConfig, TrainConfig
 
 PROBE_SEQUENCES = 4  # sequences re-scored by the engine in a push check
 
@@ -21,16 +21,45 @@ def push(engine: Any, policy: Any, dist: Any) -> None:
     engine.push_weights(policy.state_dict().items())
 
 
+def release_engine(engine: Any, optimizer: Any, cfg: TrainConfig, dist: Any, timings: Any) -> None:
+    """After generation: the engine sleeps (with sleep mode on) and an offloaded optimizer state
+    comes back to the trainer's device for the update."""
+    from grpo_cli.optim import move_optimizer_state
+
+    with timings("sleep"):
+        engine.sleep()
+        if cfg.trainer.offload_optimizer:
+            move_optimizer_state(optimizer, dist.device)
+
+
+def push_to_engine(engine: Any, policy: Any, optimizer: Any, cfg: TrainConfig, dist: Any, timings: Any) -> None:
+    """After the update: the optimizer state leaves the device (trainer.offload_optimizer), the engine
+    wakes its weights, takes the new ones, then wakes its KV cache, so the next generate and the
+    push check both run on woken, updated weights (trl #5312: a push before the wake-up was lost)."""
+    from grpo_cli.optim import move_optimizer_state
+
+    with timings("sleep"):
+        if cfg.trainer.offload_optimizer:
+            move_optimizer_state(optimizer, "cpu")
+        engine.wake_weights()
+    with timings("push"):
+        push(engine, policy, dist)
+    with timings("sleep"):
+        engine.wake_kv_cache()
+
+
 def push_check(engine: Any, policy: Any, sequences: list[list[int]], prompt_lens: list[int], tol: float,
-               device: Any = "cpu") -> float:
+               device: Any = "cpu", autocast: Any = None) -> float:
     """Re-score a probe batch in the engine and compare with the trainer: stale weights stop the run."""
+    import contextlib
+
     import torch
 
     from grpo_cli import grpo
 
     engine_lp = engine.score(sequences)
     worst = 0.0
-    with torch.no_grad():
+    with torch.no_grad(), (autocast or contextlib.nullcontext)():
         for seq, n, elp in zip(sequences, prompt_lens, engine_lp):
             ids = torch.tensor([seq], device=device)  # [1, T]
             trainer_lp = grpo.token_logprobs_reference(policy, ids, torch.ones_like(ids))[0]  # [T-1]
@@ -43,12 +72,12 @@ def push_check(engine: Any, policy: Any, sequences: list[list[int]], prompt_lens
 
 
 def maybe_push_check(engine: Any, policy: Any, batch: TrainBatch, step: int, cfg: RolloutConfig,
-                     dist: Any) -> dict[str, float]:
+                     dist: Any, dtype: str = "float32") -> dict[str, float]:
     """The push check on the step's first sequences when it is due: {"push_check/max_abs_diff": ...} or {}."""
     if not (cfg.push_check_every and step % cfg.push_check_every == 0 and batch.micro_batches):
         return {}
     rows = range(min(PROBE_SEQUENCES, len(batch.completions)))
     prompts = [batch.prompt_tokens[batch.prompt_index[j]] for j in rows]
     worst = push_check(engine, policy, [ids + batch.completions[j] for j, ids in zip(rows, prompts)],
-                       [len(ids) for ids in prompts], cfg.push_check_tol, dist.device)
+                       [len(ids) for ids in prompts], cfg.push_check_tol, dist.device, lambda: dist.autocast(dtype))
     return {"push_check/max_abs_diff": worst}

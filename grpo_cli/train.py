@@ -34,12 +34,12 @@ def run(cfg: TrainConfig, run_dir: Path) -> int:
     from grpo_cli.dist import Dist
     from grpo_cli.optim import build_optimizer
     from grpo_cli.setup import build_models, preflight, resume_or_start, setup_torch, truncate_metrics
-    from grpo_cli.sync import maybe_push_check, push
+    from grpo_cli.sync import maybe_push_check, push_to_engine, release_engine
     from grpo_cli.update import NonFiniteGuard, loss_params, score_batch, update
 
     task = preflight(cfg)  # data, rewards, model files, prompt lengths: before any model loads
     setup_torch(cfg)
-    dist = Dist.init()
+    dist = Dist.init(cfg.trainer.device)
     start = resume_or_start(cfg, run_dir, task.model_path)
     models = build_models(cfg, task, start, dist)
     optimizer, scheduler = build_optimizer(models.policy, cfg.trainer)
@@ -70,15 +70,15 @@ def run(cfg: TrainConfig, run_dir: Path) -> int:
             timings = monitor.StepTimer()
             groups = collect_groups(engine, cursor, task.train_rows, encode, task.reward_fns, cfg, step, dist,
                                     timings)  # [P, G]
+            release_engine(engine, optimizer, cfg, dist, timings)  # vLLM sleeps while the trainer steps
             batch = TrainBatch.build(groups, task.tokenizer.pad_token_id, t_cfg, dist, params)
             with timings("logprobs"):  # the reference's, and the policy's before the update when it can move
-                penalty = score_batch(policy, models.reference, batch, groups, cfg)
+                penalty = score_batch(policy, models.reference, batch, groups, cfg, dist)
             with timings("update"):
                 stats = {**update(policy, optimizer, scheduler, batch, params, cfg, dist), **penalty}
             guard.check(stats, step, out.console.warn)
-            with timings("push"):
-                push(engine, policy, dist)
-            stats.update(maybe_push_check(engine, policy, batch, step, cfg.rollout, dist))
+            push_to_engine(engine, policy, optimizer, cfg, dist, timings)  # wake weights, push, wake KV cache
+            stats.update(maybe_push_check(engine, policy, batch, step, cfg.rollout, dist, cfg.model.dtype))
 
             metrics = step_metrics(step, groups, batch, stats, timings, scheduler.get_last_lr()[0], started)
             metrics.update(maybe_evaluate(engine, task, encode, cfg, step))

@@ -34,17 +34,21 @@ def needs_old_logprobs(cfg: TrainConfig) -> bool:
     return t.ppo_epochs > 1 or t.minibatches > 1 or t.kl_in_reward
 
 
-def score_logprobs(model: Any, batch: TrainBatch, chunk_tokens: int, temperature: float) -> list[Any]:
+def score_logprobs(model: Any, batch: TrainBatch, chunk_tokens: int, temperature: float,
+                   autocast: Any = None) -> list[Any]:
     """A model's logprobs of every micro-batch's completions, without grad: `[b, Tc]` each, in the
-    order of `batch.micro_batches`; all None when there is no model (no reference when kl_coef = 0)."""
+    order of `batch.micro_batches`; all None when there is no model (no reference when kl_coef = 0).
+    `autocast` is the compute context (bf16 on CUDA); the logprobs themselves are float32."""
     if model is None or not batch.micro_batches:
         return [None] * len(batch.micro_batches)
+    import contextlib
+
     import torch
 
     from grpo_cli import grpo
 
     out = []
-    with torch.no_grad():
+    with torch.no_grad(), (autocast or contextlib.nullcontext)():
         for part in batch.minibatches:
             prompts = grpo.prompt_states(model, part.prompt_ids, part.prompt_mask)  # each prompt once
             out += [grpo.completion_logprobs(model, prompts, mb.prompt_index, mb.ids, mb.mask, chunk_tokens,
@@ -52,13 +56,15 @@ def score_logprobs(model: Any, batch: TrainBatch, chunk_tokens: int, temperature
     return out
 
 
-def score_batch(policy: Any, reference: Any, batch: TrainBatch, groups: Any, cfg: TrainConfig) -> dict[str, float]:
+def score_batch(policy: Any, reference: Any, batch: TrainBatch, groups: Any, cfg: TrainConfig,
+                dist: Any) -> dict[str, float]:
     """Fill in every micro-batch's reference logprobs and, when the policy can move before a sample is
     used, its old logprobs; with trainer.kl_in_reward, fold the KL into the advantages. Returns the
     penalty's stats ({} without kl_in_reward)."""
     chunk, temperature = cfg.trainer.logprob_chunk_tokens, cfg.rollout.temperature
-    old = score_logprobs(policy if needs_old_logprobs(cfg) else None, batch, chunk, temperature)
-    ref = score_logprobs(reference, batch, chunk, temperature)
+    autocast = lambda: dist.autocast(cfg.model.dtype)  # noqa: E731
+    old = score_logprobs(policy if needs_old_logprobs(cfg) else None, batch, chunk, temperature, autocast)
+    ref = score_logprobs(reference, batch, chunk, temperature, autocast)
     for mb, old_lp, ref_lp in zip(batch.micro_batches, old, ref):
         mb.old_logprobs, mb.ref_logprobs = old_lp, ref_lp  # [b, Tc] each (or None)
     return kl_into_advantages(batch, groups, cfg) if cfg.trainer.kl_in_reward and batch.micro_batches else {}
@@ -108,12 +114,15 @@ def minibatch_step(policy: Any, optimizer: Any, scheduler: Any, part: Any, param
     loss_fn = grpo.LOSSES[t_cfg.loss]
     optimizer.zero_grad(set_to_none=True)
     loss_total, mismatch_sum, mismatch_tokens = 0.0, 0.0, 0
-    prompts = grpo.prompt_states(policy, part.prompt_ids, part.prompt_mask)  # with autograd: backward at the end
+    with dist.autocast(cfg.model.dtype):  # forward passes in the compute dtype; logprobs and loss in float32
+        prompts = grpo.prompt_states(policy, part.prompt_ids, part.prompt_mask)  # with autograd: backward at the end
     leaves = grpo.prompt_leaves(prompts)  # collect the prompts' gradient over the micro-batches
     for mb in part.micro_batches:
-        logps, entropy = grpo.completion_logprobs(
-            policy, leaves, mb.prompt_index, mb.ids, mb.mask, t_cfg.logprob_chunk_tokens,
-            temperature=cfg.rollout.temperature, with_entropy=True, entropy_grad=params.entropy_coef > 0)  # [b, Tc] x 2
+        with dist.autocast(cfg.model.dtype):
+            logps, entropy = grpo.completion_logprobs(
+                policy, leaves, mb.prompt_index, mb.ids, mb.mask, t_cfg.logprob_chunk_tokens,
+                temperature=cfg.rollout.temperature, with_entropy=True,
+                entropy_grad=params.entropy_coef > 0)  # [b, Tc] x 2
         inputs = grpo.LossInputs(logps, mb.mask, mb.advantages, old_logprobs=mb.old_logprobs,
                                  ref_logprobs=mb.ref_logprobs, sampling_logprobs=mb.sampling_logprobs,
                                  normalizer=part.normalizer, entropy=entropy)

@@ -192,7 +192,7 @@ def run_update(micro_batch_size: int, ppo_epochs: int = 2, minibatches: int = 2)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, scheduler.lr_lambdas[0])
     params = loss_params(cfg)
     batch = TrainBatch.build(groups, 0, cfg.trainer, Dist(), params)
-    score_batch(policy, None, batch, groups, cfg)
+    score_batch(policy, None, batch, groups, cfg, Dist())
     stats = update(policy, optimizer, scheduler, batch, params, cfg, Dist())
     return {k: v.detach().clone() for k, v in policy.state_dict().items()}, stats, scheduler
 

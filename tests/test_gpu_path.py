@@ -1,0 +1,162 @@
+"""The GPU path where it can be tested without a GPU: vLLM's sleep/wake order in the real loop
+(a recording engine stands in for sleep mode, which needs CUDA), the device and dtype seam, the
+optimizer-state offload, and scripts/gpu_check.py (its skip line here; the CPU smoke run of the
+same code). Tests that need CUDA are marked `gpu` and skipped without one."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+class RecordingEngine:
+    """The transformers engine with every call written down, asleep or awake. vLLM's sleep mode needs
+    CUDA memory, so its calls are checked here for order: the only stand-in for what cannot run here."""
+
+    def __init__(self, inner):
+        self.inner, self.calls, self.asleep = inner, [], False
+
+    def generate(self, *args, **kwargs):
+        assert not self.asleep, "generate while asleep"
+        self.calls.append("generate")
+        return self.inner.generate(*args, **kwargs)
+
+    def score(self, sequences):
+        assert not self.asleep, "push check while asleep"
+        self.calls.append("score")
+        return self.inner.score(sequences)
+
+    def push_weights(self, named_tensors):
+        self.calls.append("push_weights")
+        return self.inner.push_weights(named_tensors)
+
+    def sleep(self):
+        self.calls.append("sleep")
+        self.asleep = True
+
+    def wake_weights(self):
+        self.calls.append("wake_weights")
+
+    def wake_kv_cache(self):
+        self.calls.append("wake_kv_cache")
+        self.asleep = False
+
+
+@pytest.mark.slow
+def test_the_loop_sleeps_after_generating_and_wakes_weights_then_kv_cache_around_the_push(tmp_path, monkeypatch):
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    from grpo_cli import rollout, train
+    from grpo_cli.checkpoint import resolve_model_path
+    from grpo_cli.cli import load_config
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("builtin:bike_base"))
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=512,
+                         tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)
+    Qwen2ForCausalLM(config).save_pretrained(tmp_path / "tiny")
+    tokenizer.save_pretrained(tmp_path / "tiny")
+    engines = []
+    real_build = rollout.build_engine
+
+    def recording_build(*args, **kwargs):
+        engines.append(RecordingEngine(real_build(*args, **kwargs)))
+        return engines[-1]
+
+    monkeypatch.setattr(rollout, "build_engine", recording_build)
+    cfg = load_config("train", ["recipe=bike_pricing", f"model.name_or_path={tmp_path / 'tiny'}",
+                                f"output_dir={tmp_path / 'runs'}", "rollout.engine=hf", "trainer.steps=2",
+                                "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=8",
+                                "eval.num_problems=2", "eval.every=0", "rollout.push_check_every=1",
+                                "trainer.offload_optimizer=true", "data.num_train=50", "data.num_heldout=10"])
+    assert train.run(cfg, tmp_path / "run") == 0
+    step = ["generate", "sleep", "wake_weights", "push_weights", "wake_kv_cache", "score"]
+    assert engines[0].calls == ["generate", *step, *step, "generate"]  # eval, 2 steps, the final eval
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all("time/sleep" in m for m in metrics[1:])  # its own phase of the step split
+
+
+def test_device_and_dtype_seam_on_the_cpu(monkeypatch):
+    from grpo_cli.dist import Dist
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    dist = Dist.init("auto")
+    expected = "cuda:0" if torch.cuda.is_available() else "cpu"
+    assert str(dist.device) == expected
+    cpu = Dist.init("cpu")
+    assert cpu.master_dtype("bfloat16") == "bfloat16"  # the CPU keeps today's behaviour: weights in model.dtype
+    with cpu.autocast("bfloat16"):
+        assert not torch.is_autocast_enabled("cuda")  # no autocast on the CPU path
+    assert torch.nn.Linear(2, 2)(torch.ones(1, 2)).dtype == torch.float32
+
+
+def test_sleep_mode_auto_follows_the_trainer_device_and_the_hf_engine_ignores_it():
+    from grpo_cli.config import RolloutConfig
+    from grpo_cli.rollout import HFEngine, sleep_wanted
+
+    assert sleep_wanted(RolloutConfig(sleep_mode="auto"), "cuda:0") is True
+    assert sleep_wanted(RolloutConfig(sleep_mode="auto"), torch.device("cpu")) is False
+    assert sleep_wanted(RolloutConfig(sleep_mode="off"), "cuda:0") is False
+    engine = HFEngine(torch.nn.Linear(1, 1), tokenizer=None)
+    engine.sleep(), engine.wake_weights(), engine.wake_kv_cache()  # nothing to free: no error, no state
+
+
+def test_optimizer_state_moves_its_moments_and_keeps_the_step_counter():
+    from grpo_cli.optim import move_optimizer_state
+
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    before = {k: v.clone() for k, v in optimizer.state[model.weight].items()}
+    move_optimizer_state(optimizer, "cpu")  # already there: the values stay as they are
+    assert all(torch.equal(before[k], v) for k, v in optimizer.state[model.weight].items())
+    move_optimizer_state(optimizer, "meta")  # another device (no GPU here): the moments leave...
+    state = optimizer.state[model.weight]
+    assert state["exp_avg"].device.type == state["exp_avg_sq"].device.type == "meta"
+    assert state["step"].device.type == "cpu"  # ...the step counter stays where AdamW keeps it
+
+
+def test_a_bf16_run_needs_a_push_check_tolerance_above_its_round_off():
+    from grpo_cli.cli import UsageError, load_config
+
+    with pytest.raises(UsageError, match="rollout.push_check_tol"):
+        load_config("train", ["recipe=bike_pricing", "model.dtype=bfloat16"])
+    assert load_config("train", ["recipe=bike_pricing", "model.dtype=bfloat16",
+                                 "rollout.push_check_tol=0.05"]).model.dtype == "bfloat16"
+    assert load_config("train", ["recipe=bike_pricing_qwen_instruct"]).rollout.push_check_tol >= 0.02
+
+
+def test_gpu_check_skips_without_cuda_and_its_code_runs_on_a_tiny_cpu_model(tmp_path):
+    script = str(REPO / "scripts" / "gpu_check.py")
+    if not torch.cuda.is_available():
+        out = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0 and out.stdout.startswith("gpu_check: skipped: no CUDA device"), out.stderr
+    smoke = subprocess.run([sys.executable, script, "--cpu-smoke", "--out", str(tmp_path / "r.json")],
+                           capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert smoke.returncode == 0, smoke.stderr[-2000:]
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert 0 < report["bf16"]["logprob_mean_abs_diff"] < 0.05  # bf16 moves logprobs, a little
+    assert report["update"]["tokens_per_s"] > 0 and report["fsdp2_world_1"]["update"]["tokens_per_s"] > 0
+    assert report["gather"]["gib"] == pytest.approx(report["fsdp2_world_1"]["gather"]["gib"])  # same full tensors
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_check_on_cuda(tmp_path):
+    out = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_check.py"), "--out", str(tmp_path / "r.json")],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["bf16"]["logprob_mean_abs_diff"] < 0.1 and report["update"]["peak_memory_gib"] > 0

@@ -595,17 +595,20 @@ def _table_rows(results: list[dict[str, Any]]) -> list[tuple[str, list[str]]]:
                 values.append("-")
         return title, values
 
-    rows = [row("pass@1", lambda m: m["pass@1"]), row(f"pass@{k}", lambda m: m["pass@k"]),
-            row(f"maj@{k}", lambda m: m["maj@k"])]
+    # With one sample a problem, pass@k and maj@k are pass@1 again: print them only for k > 1.
+    rows = [row("pass@1", lambda m: m["pass@1"])]
+    if k > 1:
+        rows += [row(f"pass@{k}", lambda m: m["pass@k"]), row(f"maj@{k}", lambda m: m["maj@k"])]
     if "greedy_accuracy" in results[0]:
         rows.append(row("greedy accuracy", lambda m: m["greedy_accuracy"]))
     rows += [row(f"mean reward: {name}", lambda m, n=name: m["mean_reward"][n]) for name in results[0]["mean_reward"]]
     rows += [(title, [f"{m[key]:.1f}" if key == "mean_length" else f"{m[key]:.3f}" for m in results])
              for title, key in (("mean length (tokens)", "mean_length"), ("truncation rate", "truncation_rate"))]
     for tier in results[0]["per_tier"]:
-        rows += [row(f"tier {tier} pass@1", lambda m, t=tier: m["per_tier"][t]["pass@1"]),
-                 row(f"tier {tier} pass@{k}", lambda m, t=tier: m["per_tier"][t]["pass@k"]),
-                 row(f"tier {tier} maj@{k}", lambda m, t=tier: m["per_tier"][t]["maj@k"])]
+        rows.append(row(f"tier {tier} pass@1", lambda m, t=tier: m["per_tier"][t]["pass@1"]))
+        if k > 1:
+            rows += [row(f"tier {tier} pass@{k}", lambda m, t=tier: m["per_tier"][t]["pass@k"]),
+                     row(f"tier {tier} maj@{k}", lambda m, t=tier: m["per_tier"][t]["maj@k"])]
         if "greedy_accuracy" in results[0]:
             rows.append(row(f"tier {tier} greedy", lambda m, t=tier: m["per_tier"][t]["greedy_accuracy"]))
     return rows

@@ -9,6 +9,7 @@ or a line in it, empty instead of failing. matplotlib is imported only here, thr
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,18 @@ TIME_PARTS = ("generate", "reward", "logprobs", "update", "push", "sleep")
 TIME_COLORS = ("#66c2a5", "#fc8d62", "#8da0cb", "#e78ac3", "#a6d854", "#ffd92f")  # a palette apart from the runs' C0, C1, ...
 REWARD_STATS = ("reward/mean", "reward/std", "reward/failures")  # reward/* keys that are not a reward function
 PLOT_SUFFIXES = (".png", ".pdf", ".svg")
+SMOOTHING = 0.9  # weight of the past in the smoothed line drawn over a noisy per-step series (as trackers do)
+
+
+def smooth(values: list[float], weight: float = SMOOTHING) -> list[float]:
+    """Exponential moving average with the start-up bias removed (TensorBoard's smoothing):
+    s_t = (weight * m_{t-1} + (1 - weight) * x_t) / (1 - weight^(t+1)), m the raw average.
+    The first value is x_0; a constant series stays constant."""
+    out, average = [], 0.0
+    for t, x in enumerate(values):
+        average = weight * average + (1 - weight) * x
+        out.append(average / (1 - weight ** (t + 1)))
+    return out
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
@@ -54,7 +67,13 @@ def _labels(run_dirs: list[Path]) -> list[str]:
 
 
 def plot_runs(run_dirs: list[Path], out: Path, labels: list[str] | None = None) -> Path:
-    """Write one figure of the runs' metrics to `out` (PNG, or PDF/SVG by suffix) and return its path."""
+    """Write one figure of the runs' metrics to `out` (PNG, or PDF/SVG by suffix) and return its path.
+
+    Per-step series are drawn faint with their smoothed line (`smooth`) on top; held-out pass@1
+    (a point every eval.every steps) is drawn as it is, with markers.
+    """
+    # Its first use on a machine logs "generated new fontManager" at INFO, into a training run's output.
+    logging.getLogger("matplotlib.font_manager").setLevel(logging.WARNING)
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
 
@@ -95,8 +114,12 @@ def plot_runs(run_dirs: list[Path], out: Path, labels: list[str] | None = None) 
                         continue
                     present = drawn = True
                     color = f"C{r}" if several else f"C{offset + j}"
-                    target.plot(xs, ys, linestyle=style, color=color, marker="o" if markers else None,
-                                markersize=4, linewidth=1.5)
+                    if markers or len(ys) < 3:  # sparse points (held-out evaluations): as they are
+                        target.plot(xs, ys, linestyle=style, color=color, marker="o" if markers else None,
+                                    markersize=4, linewidth=1.5)
+                    else:  # a noisy per-step series: the raw values faint, the trend on top
+                        target.plot(xs, ys, linestyle=style, color=color, linewidth=0.8, alpha=0.25)
+                        target.plot(xs, smooth(ys), linestyle=style, color=color, linewidth=1.8)
                 if present:
                     color = "0.3" if several else f"C{offset + j}"
                     handles.append(Line2D([], [], color=color, linestyle=style, marker="o" if markers else None,

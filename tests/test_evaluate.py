@@ -366,3 +366,20 @@ def test_eval_of_best_writes_eval_json_beside_it(shipped_run, tmp_path):
     assert 0.0 <= metrics["greedy_accuracy"] <= 1.0 and "greedy_accuracy" in metrics["per_tier"]["1"]
     assert list(tmp_path.iterdir()) == []
     written.unlink()
+
+
+def test_the_table_prints_pass_at_k_and_maj_at_k_only_for_more_than_one_sample():
+    from grpo_cli.evaluate import _table_rows
+
+    def result(k):
+        correct = [1.0, 0.0] * k
+        m = summarise([0, 1], k, correct, {"correct": correct}, [5] * (2 * k), [False] * (2 * k), [None] * (2 * k))
+        m["per_tier"] = {"1": dict(m)}
+        return m
+
+    one = [title for title, _ in _table_rows([result(1)])]
+    assert "pass@1" in one and "tier 1 pass@1" in one
+    assert not any(t.startswith(("maj@", "tier 1 maj@")) or t in ("pass@1 ", "tier 1 pass@1 ") for t in one)
+    assert one.count("pass@1") == 1 and one.count("tier 1 pass@1") == 1
+    four = [title for title, _ in _table_rows([result(4)])]
+    assert {"pass@4", "maj@4", "tier 1 pass@4", "tier 1 maj@4"} <= set(four)

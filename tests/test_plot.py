@@ -114,3 +114,31 @@ def test_grpo_plot_appears_in_help():
     assert out.returncode == 0
     plot_line = next(line for line in out.stdout.splitlines() if line.startswith("  plot "))
     assert "not built yet" not in plot_line
+
+
+def test_smoothing_keeps_the_level_and_damps_the_noise():
+    from grpo_cli.plot import smooth
+
+    assert smooth([0.4] * 5) == pytest.approx([0.4] * 5)  # a constant stays constant, from the first step
+    noisy = [0.0, 1.0] * 50
+    out = smooth(noisy)
+    assert len(out) == len(noisy) and out[0] == 0.0
+    assert max(out[20:]) - min(out[20:]) < 0.2  # the raw series swings by 1.0
+    assert sum(out[20:]) / len(out[20:]) == pytest.approx(0.5, abs=0.03)
+
+
+def test_a_first_plot_on_a_machine_logs_no_font_cache_line(tmp_path):
+    """A fresh matplotlib config dir makes matplotlib build its font cache, which it logs at INFO;
+    a training run logs at INFO too (Hydra), so the line would land in its output."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "reward/mean": s / 10}) + "\n"
+                                               for s in range(5)))
+    code = ("import logging, sys\nlogging.basicConfig(level=logging.INFO, stream=sys.stdout)\n"
+            "from grpo_cli.plot import plot_runs\n"
+            f"plot_runs([{str(run)!r}], {str(run / 'm.png')!r})\nprint('plotted')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "MPLCONFIGDIR": str(tmp_path / "mpl")})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "plotted" in out.stdout and (run / "m.png").is_file()
+    assert "fontManager" not in out.stdout + out.stderr

@@ -59,6 +59,15 @@ def _series(rows: list[dict[str, Any]], key: str) -> tuple[list[float], list[flo
     return xs, ys
 
 
+def _draw(ax: Any, xs: list[float], ys: list[float], style: str, color: str, markers: bool) -> None:
+    """Sparse points (held-out evaluations) as they are; a noisy per-step series faint, its trend on top."""
+    if markers or len(ys) < 3:
+        ax.plot(xs, ys, linestyle=style, color=color, marker="o" if markers else None, markersize=4, linewidth=1.5)
+    else:
+        ax.plot(xs, ys, linestyle=style, color=color, linewidth=0.8, alpha=0.25)
+        ax.plot(xs, smooth(ys), linestyle=style, color=color, linewidth=1.8)
+
+
 def _labels(run_dirs: list[Path]) -> list[str]:
     names = [d.resolve().name for d in run_dirs]
     if len(set(names)) == len(names):
@@ -113,13 +122,7 @@ def plot_runs(run_dirs: list[Path], out: Path, labels: list[str] | None = None) 
                     if not xs:
                         continue
                     present = drawn = True
-                    color = f"C{r}" if several else f"C{offset + j}"
-                    if markers or len(ys) < 3:  # sparse points (held-out evaluations): as they are
-                        target.plot(xs, ys, linestyle=style, color=color, marker="o" if markers else None,
-                                    markersize=4, linewidth=1.5)
-                    else:  # a noisy per-step series: the raw values faint, the trend on top
-                        target.plot(xs, ys, linestyle=style, color=color, linewidth=0.8, alpha=0.25)
-                        target.plot(xs, smooth(ys), linestyle=style, color=color, linewidth=1.8)
+                    _draw(target, xs, ys, style, f"C{r}" if several else f"C{offset + j}", markers)
                 if present:
                     color = "0.3" if several else f"C{offset + j}"
                     handles.append(Line2D([], [], color=color, linestyle=style, marker="o" if markers else None,
@@ -135,7 +138,7 @@ def plot_runs(run_dirs: list[Path], out: Path, labels: list[str] | None = None) 
         names = dict.fromkeys(k for row in runs[0] for k in row if k.startswith("reward/") and k not in REWARD_STATS)
         reward_series += [(k, k.removeprefix("reward/"), ":", False) for k in names]
     line_panel(axes[0, 0], "reward and held-out accuracy", reward_series, "reward / accuracy")
-    line_panel(axes[0, 1], "KL to the reference (k3)", [("kl", "KL", "-", False)], "KL")
+    line_panel(axes[0, 1], "KL to the reference (trainer.kl_estimator)", [("kl", "KL", "-", False)], "KL")
     line_panel(axes[0, 2], "completion length and truncation",
                [("completion_len/mean", "length mean", "-", False), ("completion_len/max", "length max", ":", False)],
                "tokens", twin=[("truncation_rate", "truncation rate", "--", False)], twin_label="truncation rate")

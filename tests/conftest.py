@@ -6,6 +6,8 @@
   on CPU. Its raw `vllm.LLM` is `vllm_engine.llm`. A test that pushes weights
   into it must push the shipped weights back before it returns.
 - `bike_splits`: the recipe's default bike_pricing (train, heldout) problems.
+- `tiny_model_dir`: a tiny randomly initialised Qwen2 saved with the shipped tokenizer, for
+  runs that need a real model with a real gradient but not the shipped model's accuracy.
 """
 
 from __future__ import annotations
@@ -49,3 +51,21 @@ def bike_splits():
 
     data = DataConfig()
     return splits(data.num_train, data.num_heldout, data.seed, tiers=tuple(data.tiers))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A 2-layer, 64-wide Qwen2 (seed 0, tied embeddings) with the shipped tokenizer, saved once a session."""
+    import torch
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny_model")
+    tokenizer = AutoTokenizer.from_pretrained(SHIPPED_MODEL_DIR)
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=512,
+                         tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)
+    Qwen2ForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

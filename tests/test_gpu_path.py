@@ -52,21 +52,11 @@ class RecordingEngine:
 
 
 @pytest.mark.slow
-def test_the_loop_sleeps_after_generating_and_wakes_weights_then_kv_cache_around_the_push(tmp_path, monkeypatch):
-    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
-
+def test_the_loop_sleeps_after_generating_and_wakes_weights_then_kv_cache_around_the_push(tmp_path, monkeypatch,
+                                                                                         tiny_model_dir):
     from grpo_cli import rollout, train
-    from grpo_cli.checkpoint import resolve_model_path
     from grpo_cli.cli import load_config
 
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("builtin:bike_base"))
-    torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=512,
-                         tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id)
-    Qwen2ForCausalLM(config).save_pretrained(tmp_path / "tiny")
-    tokenizer.save_pretrained(tmp_path / "tiny")
     engines = []
     real_build = rollout.build_engine
 
@@ -75,7 +65,7 @@ def test_the_loop_sleeps_after_generating_and_wakes_weights_then_kv_cache_around
         return engines[-1]
 
     monkeypatch.setattr(rollout, "build_engine", recording_build)
-    cfg = load_config("train", ["recipe=bike_pricing", f"model.name_or_path={tmp_path / 'tiny'}",
+    cfg = load_config("train", ["recipe=bike_pricing", f"model.name_or_path={tiny_model_dir}",
                                 f"output_dir={tmp_path / 'runs'}", "rollout.engine=hf", "trainer.steps=2",
                                 "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=8",
                                 "eval.num_problems=2", "eval.every=0", "rollout.push_check_every=1",

@@ -43,22 +43,10 @@ def nan_sometimes(completions, **kwargs):
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    """A tiny model (shipped tokenizer) and a reward module, in a directory the runs use as cwd."""
-    import torch
-    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
-
-    from grpo_cli.checkpoint import resolve_model_path
-
+def workdir(tmp_path_factory, tiny_model_dir):
+    """The tiny model (shipped tokenizer) and a reward module, in a directory the runs use as cwd."""
     root = tmp_path_factory.mktemp("resume")
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("builtin:bike_base"))
-    torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=512,
-                         tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id)
-    Qwen2ForCausalLM(config).save_pretrained(root / "tiny")
-    tokenizer.save_pretrained(root / "tiny")
+    (root / "tiny").symlink_to(tiny_model_dir, target_is_directory=True)
     (root / "test_rewards_mod.py").write_text(REWARD_MODULE)
     return root
 

@@ -91,10 +91,14 @@ class TrainBatch:
 
     prompt_tokens: list[list[int]]  # [P'] the kept prompts' token ids
     completions: list[list[int]]  # [N] completion token ids that enter the loss, group by group
-    prompt_index: list[int]  # [N] each completion's kept prompt (index into prompt_tokens)
     group_of: list[tuple[int, int]]  # [N] each completion's (slot, g): its kept prompt and place in the group
     minibatches: list[Minibatch] = field(default_factory=list)  # trainer.minibatches parts; empty: nothing kept
     train_tokens: int = 0  # prompt tokens x G + completion tokens of the kept groups (each prompt runs once)
+
+    @property
+    def prompt_index(self) -> list[int]:
+        """[N] each completion's kept prompt (index into prompt_tokens)."""
+        return [slot for slot, _ in self.group_of]
 
     @property
     def micro_batches(self) -> list[MicroBatch]:
@@ -111,7 +115,7 @@ class TrainBatch:
                     if not (cfg.mask_truncated and rollouts.truncated[p][g])]
         completions = [rollouts.completion_ids[kept[slot]][g] for slot, g in group_of]  # [N]
         prompt_tokens = [groups.prompt_ids[p] for p in kept]
-        batch = cls(prompt_tokens, completions, [slot for slot, _ in group_of], group_of)
+        batch = cls(prompt_tokens, completions, group_of)
         batch.train_tokens = sum(G * len(ids) for ids in prompt_tokens) + sum(
             len(rollouts.completion_ids[p][g]) for p in kept for g in range(G))
         if not completions:
@@ -149,7 +153,7 @@ def _minibatch(batch: TrainBatch, rows: list[int], slots: range, seq_adv: list[f
         ids, mask = pad_rows([batch.completions[j] for j in mb_rows], pad_id, dist.device)  # [b, Tc] x 2
         passes.append(MicroBatch(
             rows=mb_rows,
-            prompt_index=torch.tensor([batch.prompt_index[j] - slots.start for j in mb_rows], device=dist.device),
+            prompt_index=torch.tensor([batch.group_of[j][0] - slots.start for j in mb_rows], device=dist.device),
             ids=ids, mask=mask,
             advantages=torch.tensor([seq_adv[j] for j in mb_rows], device=dist.device)[:, None],  # [b, 1]
             sampling_logprobs=pad_values([seq_sampling_lp[j] for j in mb_rows], mask),  # [b, Tc]

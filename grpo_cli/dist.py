@@ -1,8 +1,8 @@
 """The one seam for ranks and devices: who this process is, where its tensors live, and the
 few collectives the training loop needs.
 
-At world size 1 (a plain `grpo train`) every collective returns its input and the device
-is the CPU, so the loop never branches on "is this distributed". Under a launcher that sets
+At world size 1 (a plain `grpo train`) every collective returns its input, so the loop never
+branches on "is this distributed"; the device is trainer.device (the CPU on a machine without CUDA). Under a launcher that sets
 `WORLD_SIZE` > 1 (torchrun), `Dist.init` joins the process group and the same calls become
 real all-reduces and broadcasts over it.
 """
@@ -53,9 +53,11 @@ class Dist:
 
         import torch
 
+        from grpo_cli.checkpoint import torch_dtype
+
         if torch.device(self.device).type != "cuda" or dtype == "float32":
             return contextlib.nullcontext()
-        return torch.autocast("cuda", dtype={"bfloat16": torch.bfloat16, "float16": torch.float16}[dtype])
+        return torch.autocast("cuda", dtype=torch_dtype(dtype))
 
     def master_dtype(self, dtype: str) -> str:
         """The dtype the trainable weights are loaded in: float32 on CUDA (autocast computes in `dtype`),

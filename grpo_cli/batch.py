@@ -107,12 +107,14 @@ class TrainBatch:
 
     @classmethod
     def build(cls, groups: Any, pad_id: int, cfg: TrainerConfig, dist: Any, loss_params: Any) -> TrainBatch:
-        """Kept groups -> completions (truncated ones dropped with trainer.mask_truncated) -> minibatches
-        of whole groups -> length-sorted micro-batches, each padded on the run's device."""
+        """Kept groups -> completions (truncated ones dropped with trainer.mask_truncated, and those a
+        reward with on_failure=drop failed on) -> minibatches of whole groups -> length-sorted
+        micro-batches, each padded on the run's device."""
         kept, G = groups.kept(), groups.group_size
         rollouts = groups.rollouts
+        dropped = groups.dropped.tolist() if groups.dropped is not None else [[False] * G for _ in groups.rows]
         group_of = [(slot, g) for slot, p in enumerate(kept) for g in range(G)
-                    if not (cfg.mask_truncated and rollouts.truncated[p][g])]
+                    if not (cfg.mask_truncated and rollouts.truncated[p][g]) and not dropped[p][g]]
         completions = [rollouts.completion_ids[kept[slot]][g] for slot, g in group_of]  # [N]
         prompt_tokens = [groups.prompt_ids[p] for p in kept]
         batch = cls(prompt_tokens, completions, group_of)

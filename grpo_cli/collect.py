@@ -60,6 +60,7 @@ class Groups:
     all_wrong: Any  # [P] bool: every sample wrong (no signal)
     keep: Any  # [P] bool: groups that enter the loss
     rounds: int = 1  # sampling rounds it took (dynamic sampling)
+    dropped: Any = None  # [P, G] bool: samples a reward with on_failure=drop failed on; they leave the loss
 
     @property
     def group_size(self) -> int:
@@ -80,7 +81,8 @@ def concat_groups(parts: list[Groups]) -> Groups:
     rollouts = Rollouts(*[sum((getattr(x, f) for x in r), []) for f in
                           ("prompt_ids", "completion_ids", "sampling_logprobs", "texts", "truncated")])
     scored = Scores(sum((g.scored.total for g in parts), []),
-                    {name: sum((g.scored.per_function[name] for g in parts), []) for name in parts[0].scored.per_function})
+                    {name: sum((g.scored.per_function[name] for g in parts), []) for name in parts[0].scored.per_function},
+                    sum((g.scored.dropped for g in parts), []))
     failures = RewardFailures()
     for g in parts:
         failures.counts.update(g.failures.counts)
@@ -88,7 +90,7 @@ def concat_groups(parts: list[Groups]) -> Groups:
     tensors = [torch.cat([getattr(g, f) for g in parts]) for f in
                ("reward", "advantages", "all_correct", "all_wrong", "keep")]
     return Groups(sum((g.rows for g in parts), []), sum((g.prompt_ids for g in parts), []), rollouts, scored,
-                  failures, *tensors, rounds=len(parts))
+                  failures, *tensors, rounds=len(parts), dropped=torch.cat([g.dropped for g in parts]))
 
 
 def sample_groups(engine: Any, cursor: PromptCursor, train_rows: list[dict[str, Any]], encode: Any,
@@ -125,19 +127,26 @@ def score_groups(rows: list[dict[str, Any]], prompt_ids: list[list[int]], rollou
     failures = rewards.RewardFailures()
     scored = rewards.score(reward_fns, completions, columns, cfg.data.answer_format, failures,
                            completion_tokens=[len(c) for group in rollouts.completion_ids for c in group],
-                           max_new_tokens=cfg.rollout.max_new_tokens)
-    if failures.total > len(completions) * len(reward_fns) / 2:  # most samples: the reward itself is broken
-        name, reason = next(iter(failures.last_error.items()))
-        raise UsageError(f"reward function '{name}' failed on most samples at step {step}: {reason}")
+                           max_new_tokens=cfg.rollout.max_new_tokens, prompts=columns[cfg.data.prompt_column],
+                           group_size=G)
+    for name, count in failures.counts.items():
+        if count > len(completions) / 2:  # most samples: the reward itself is broken, not the completions
+            raise UsageError(f"reward function '{name}' failed on {count} of {len(completions)} samples at step "
+                             f"{step}: {failures.last_error[name]}")
     reward = torch.tensor(scored.total, dtype=torch.float32, device=dist.device).view(P, G)  # [P, G]
     reward = grpo.round_rewards(reward, t_cfg.reward_round_decimals)  # [P, G]
-    advantages = grpo.ADVANTAGES[t_cfg.advantage](reward)  # [P, G]
+    dropped = torch.tensor(scored.dropped, device=dist.device).view(P, G)  # [P, G] on_failure=drop samples
+    if dropped.any():  # they leave the group statistics and the loss
+        advantages = grpo.masked_advantages(grpo.ADVANTAGES[t_cfg.advantage], reward, ~dropped)  # [P, G]
+    else:
+        advantages = grpo.ADVANTAGES[t_cfg.advantage](reward)  # [P, G]
     correct = torch.tensor(next(iter(scored.per_function.values())), device=dist.device).view(P, G)  # [P, G]
     all_correct, all_wrong = grpo.zero_variance_groups(reward, correct)  # [P], [P]
     keep = torch.ones(P, dtype=torch.bool, device=dist.device)  # [P]
     if t_cfg.filter_zero_variance or cfg.rollout.dynamic_sampling:
         keep = ~(all_correct | all_wrong)  # [P]
-    return Groups(rows, prompt_ids, rollouts, scored, failures, reward, advantages, all_correct, all_wrong, keep)
+    return Groups(rows, prompt_ids, rollouts, scored, failures, reward, advantages, all_correct, all_wrong, keep,
+                  dropped=dropped)
 
 
 def collect_groups(engine: Any, cursor: PromptCursor, train_rows: list[dict[str, Any]], encode: Any,

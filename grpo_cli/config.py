@@ -12,6 +12,9 @@ from typing import Any
 
 from omegaconf import MISSING
 
+from grpo_cli.answers import ANSWER_FORMATS  # pure: re and decimal only
+from grpo_cli.prompts import CHAT_INSTRUCTION  # pure
+
 BUILTIN_MODEL = "builtin:bike_base"  # the small model shipped inside the package
 
 
@@ -48,20 +51,24 @@ class ModelConfig:
 class DataConfig:
     source: str = "builtin:bike_pricing"  # builtin:NAME (generator) | path/to/file.jsonl | path/to/file.parquet | hub:owner/dataset
     split: str = "train"  # split name when source is a hub dataset
+    hub_config: str | None = None  # the hub dataset's configuration (subset), e.g. "main" for openai/gsm8k; None = its default
     prompt_column: str = "question"  # column holding the question text given to the template
+    rename_columns: dict[str, str] = field(default_factory=dict)  # file/hub rows: {old: new} column names, e.g. {solution: answer}, applied first
     num_train: int = 20000  # problems generated for training (builtin sources only)
     num_heldout: int = 200  # fixed-size held-out set used for evaluation (never shares a question with train)
     heldout_source: str | None = None  # file or hub:owner/name[@split] with the held-out rows (e.g. an exported heldout.jsonl); None = carve them out of source
     template: str = "plain"  # prompt rendering: "plain" (shipped model) | "chat" (tokenizer chat template + <answer> instruction)
-    answer_format: str = "answer_line"  # how the final answer is marked: "answer_line" (Answer: X) | "answer_tag" (<answer>X</answer>)
+    system_prompt: str | None = None  # chat template only: the system message; None = none
+    instruction: str | None = CHAT_INSTRUCTION  # chat template only: appended to the question in the user message; None = none
+    answer_format: str = "answer_line"  # how the final answer is marked: "answer_line" (Answer: X) | "answer_tag" (<answer>X</answer>) | "boxed" (\\boxed{X}) | "hash" (#### X)
     tiers: list[int] = field(default_factory=lambda: [1, 2, 3])  # difficulty tiers to draw (builtin bike_pricing)
     seed: int = 1234  # generator seed; fixes the problems and the train/held-out split
 
     def __post_init__(self) -> None:
         _require(self.template in ("plain", "chat"), "data.template",
                  f"'{self.template}' is not one of plain, chat")
-        _require(self.answer_format in ("answer_line", "answer_tag"), "data.answer_format",
-                 f"'{self.answer_format}' is not one of answer_line, answer_tag")
+        _require(self.answer_format in ANSWER_FORMATS, "data.answer_format",
+                 f"'{self.answer_format}' is not one of {', '.join(ANSWER_FORMATS)}")
         _require(self.num_train > 0, "data.num_train", "must be > 0")
         _require(self.num_heldout > 0, "data.num_heldout", "must be > 0")
 
@@ -71,6 +78,8 @@ class RewardSpec:
     name: str = MISSING  # a built-in reward ("correct", "format") or "package.module:function"
     weight: float = 1.0  # weight of this function in the summed reward
     args: dict[str, Any] = field(default_factory=dict)  # keyword arguments the function is called with, e.g. {buffer: 32}
+    timeout_s: float | None = 10.0  # time limit per call (one prompt's group), in a worker process killed on overrun; None = in-process, no limit
+    on_failure: str = "zero"  # a sample it raised, timed out or returned junk on: "zero" (scores 0) | "drop" (leaves the loss)
 
 
 @dataclass

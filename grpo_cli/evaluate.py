@@ -141,7 +141,7 @@ def _tiers(rows: list[dict[str, Any]]) -> dict[str, list[int]]:
 
 def heldout_metrics(engine: Any, rows: list[dict[str, Any]], encode: Any, reward_fns: list, answer_format: str,
                     k: int, temperature: float, top_p: float, max_new_tokens: int, seeds: list[int],
-                    samples: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+                    samples: list[dict[str, Any]] | None = None, prompt_column: str | None = None) -> dict[str, Any]:
     """Sample k completions per held-out row and measure them (see `summarise`), overall and per tier.
 
     The first reward function is the correctness check. `samples`, when given, receives one
@@ -156,7 +156,7 @@ def heldout_metrics(engine: Any, rows: list[dict[str, Any]], encode: Any, reward
     columns = {key: [row[key] for row in rows for _ in range(k)] for key in rows[0]}  # each [N*k]
     lengths = [len(c) for group in out.completion_ids for c in group]  # [N*k]
     scored = rewards.score(reward_fns, texts, columns, answer_format, completion_tokens=lengths,
-                           max_new_tokens=max_new_tokens)
+                           max_new_tokens=max_new_tokens, prompts=columns.get(prompt_column), group_size=k)
     correct = next(iter(scored.per_function.values()))  # [N*k]
     truncated = [bool(t) for group in out.truncated for t in group]  # [N*k]
     votes = [answer_key(t, answer_format) for t in texts]  # [N*k]
@@ -179,7 +179,7 @@ def heldout_metrics(engine: Any, rows: list[dict[str, Any]], encode: Any, reward
 
 
 def greedy_accuracy(engine: Any, rows: list[dict[str, Any]], encode: Any, reward_fns: list, answer_format: str,
-                    max_new_tokens: int) -> tuple[float, dict[str, float]]:
+                    max_new_tokens: int, prompt_column: str | None = None) -> tuple[float, dict[str, float]]:
     """Accuracy of one temperature-0 completion per row: (overall, per tier)."""
     from grpo_cli import rewards
 
@@ -187,7 +187,7 @@ def greedy_accuracy(engine: Any, rows: list[dict[str, Any]], encode: Any, reward
     columns = {key: [row[key] for row in rows] for key in rows[0]}
     scored = rewards.score(reward_fns, [group[0] for group in out.texts], columns, answer_format,
                            completion_tokens=[len(group[0]) for group in out.completion_ids],
-                           max_new_tokens=max_new_tokens)
+                           max_new_tokens=max_new_tokens, prompts=columns.get(prompt_column), group_size=1)
     correct = next(iter(scored.per_function.values()))  # [N]
     return _mean(correct), {tier: _mean([correct[i] for i in idx]) for tier, idx in _tiers(rows).items()}
 
@@ -532,7 +532,7 @@ def run(cfg: Any, run_dir: Path | None = None) -> int:
 
     from grpo_cli import rollout
     from grpo_cli.checkpoint import load_tokenizer
-    from grpo_cli.prompts import render
+    from grpo_cli.prompts import render_row
 
     threads = cfg.trainer.threads or os.cpu_count() or 1
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))  # before the engine starts (see train.py)
@@ -541,7 +541,7 @@ def run(cfg: Any, run_dir: Path | None = None) -> int:
     check_tokenizers(targets, tokenizer)
 
     def encode(row: dict[str, Any]) -> list[int]:
-        return tokenizer(render(row[cfg.data.prompt_column], cfg.data.template, tokenizer),
+        return tokenizer(render_row(row, cfg.data, tokenizer),
                          add_special_tokens=False)["input_ids"]
 
     k, answer_format = cfg.eval.samples_per_problem, cfg.data.answer_format
@@ -558,10 +558,11 @@ def run(cfg: Any, run_dir: Path | None = None) -> int:
             engine.push_weights(checkpoint_weights(target.path).items())
         samples: list[dict[str, Any]] | None = [] if samples_path else None
         metrics = heldout_metrics(engine, rows, encode, reward_fns, answer_format, k, cfg.eval.temperature,
-                                  cfg.rollout.top_p, cfg.rollout.max_new_tokens, seeds, samples=samples)
+                                  cfg.rollout.top_p, cfg.rollout.max_new_tokens, seeds, samples=samples,
+                                  prompt_column=cfg.data.prompt_column)
         if cfg.eval.greedy:
             overall, per_tier = greedy_accuracy(engine, rows, encode, reward_fns, answer_format,
-                                                cfg.rollout.max_new_tokens)
+                                                cfg.rollout.max_new_tokens, cfg.data.prompt_column)
             metrics["greedy_accuracy"] = overall
             for tier, value in per_tier.items():
                 metrics["per_tier"][tier]["greedy_accuracy"] = value

@@ -89,6 +89,25 @@ ADVANTAGES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "batch_std": batch_std_advantages, "rloo": rloo_advantages}
 
 
+def masked_advantages(advantage_fn: Callable[[torch.Tensor], torch.Tensor], rewards: torch.Tensor,
+                      valid: torch.Tensor) -> torch.Tensor:
+    """Advantages when some samples have no reward (`valid` False: a reward with on_failure=drop failed on
+    them): a group with such samples is the group of its valid samples alone (its mean, std, G), and
+    the invalid samples get exactly 0. Groups without any are as `advantage_fn` gives them, with the
+    invalid samples' rewards filled by their group's valid mean first (so batch-level statistics see
+    no made-up spread); a group whose every sample is invalid gets zeros."""
+    r = rewards.float()  # [P, G]
+    v = valid.float()  # [P, G]
+    count = v.sum(-1, keepdim=True)  # [P, 1]
+    group_mean = (r * v).sum(-1, keepdim=True) / count.clamp(min=1)  # [P, 1]
+    out = advantage_fn(torch.where(valid, r, group_mean))  # [P, G]
+    for p in (~valid).any(-1).nonzero().flatten().tolist():
+        out[p] = 0.0
+        if valid[p].sum() > 0:
+            out[p, valid[p]] = advantage_fn(r[p, valid[p]][None, :])[0]  # [G_valid]
+    return out  # [P, G]
+
+
 def zero_variance_groups(rewards: torch.Tensor, correct: torch.Tensor | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """Groups with no learning signal (every reward equal), split in two.

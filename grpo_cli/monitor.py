@@ -28,7 +28,7 @@ from typing import Any, Protocol, TextIO
 from urllib.parse import urlsplit
 
 REWARD_PREFIX = "reward/"
-REWARD_STATS = ("reward/mean", "reward/std", "reward/failures")  # reward/* keys that are not a reward function
+REWARD_STATS = ("reward/mean", "reward/std", "reward/failures", "reward/dropped")  # reward/* keys that are not a reward function
 # the step-time split, in loop order; sleep: vLLM's sleep and wake-ups (and the optimizer-state offload)
 TIME_PARTS = ("generate", "reward", "logprobs", "update", "push", "sleep")
 TIME_SHORT = {"generate": "gen", "reward": "rew", "logprobs": "lp", "update": "upd", "push": "push", "sleep": "slp"}

@@ -16,122 +16,58 @@ import importlib
 import inspect
 import json
 import math
+import numbers
 import os
 import re
 import sys
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from decimal import ROUND_HALF_UP, Decimal, InvalidOperation, localcontext
+from fractions import Fraction
 from pathlib import Path
 from typing import Any, NamedTuple
 
+# Answer extraction lives in grpo_cli.answers; these names are re-exported for reward authors.
+from grpo_cli.answers import (  # noqa: F401 (re-exported)
+    ANSWER_FORMATS,
+    as_text,
+    final_answer,
+    final_answers,
+    parse_amount,
+    to_cents,
+)
 from grpo_cli.errors import UsageError
 
 RewardFn = Callable[..., list]
-
-ANSWER_FORMATS = ("answer_line", "answer_tag")
-CENT = Decimal("0.01")
-MAX_ANSWER_CHARS = 64  # a final answer longer than this is garbage, not a number worth parsing
-
-# "Answer: X" must open a line (after optional markdown like "**" or "#"); X is the rest of the line.
-# No two neighbouring quantifiers can match the same character, so a failed match
-# backtracks at most once over each line: linear time on any input.
-_ANSWER_LINE = re.compile(r"^[ \t]*(?:[*_#>]+[ \t]*)?answer[ \t]*(?:[*_]+[ \t]*)?:([^\n]*)", re.IGNORECASE | re.MULTILINE)
-# <answer>X</answer>; X cannot contain '<', so a match never spans two tags.
-_ANSWER_TAG = re.compile(r"<answer>([^<]*)</answer>", re.IGNORECASE)
-
-_CURRENCY = r"(?:[$€£]|usd|eur|gbp|dollars?|euros?)"
-# Whole-string pattern for one amount: optional sign and currency on either side,
-# digits with optional thousands separators (strict groups of three), optional decimals.
-_AMOUNT = re.compile(
-    rf"(?P<sign>[-+\u2212]?)[ ]?(?P<cur>{_CURRENCY})?[ ]?(?P<sign2>[-+\u2212]?)"
-    r"(?P<int>[0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)(?:\.(?P<frac>[0-9]+))?"
-    rf"(?:[ ]?(?P<cur2>{_CURRENCY}))?",
-    re.IGNORECASE,
-)
-
-
-# ---------------------------------------------------------------------------
-# parsing
-
-
-def parse_amount(text: Any) -> Decimal | None:
-    """'$1,250.50' -> Decimal('1250.50'); anything that is not one clean number -> None."""
-    if not isinstance(text, str):
-        return None
-    # Tolerate markdown emphasis and a sentence's full stop around the number.
-    text = text.strip().strip("*_ \t").removesuffix(".").strip("*_ \t")
-    if not text or len(text) > MAX_ANSWER_CHARS:
-        return None
-    m = _AMOUNT.fullmatch(text)
-    if m is None or (m["sign"] and m["sign2"]) or (m["cur"] and m["cur2"]):
-        return None
-    digits = m["int"].replace(",", "") + "." + (m["frac"] or "0")
-    negative = "-" in (m["sign"] + m["sign2"]) or "\u2212" in (m["sign"] + m["sign2"])
-    try:
-        value = Decimal(digits)
-    except InvalidOperation:
-        return None
-    return -value if negative else value
-
-
-def to_cents(value: Decimal) -> Decimal:
-    """Round to cent precision, half up (48.605 -> 48.61)."""
-    with localcontext() as ctx:
-        ctx.prec = 100  # MAX_ANSWER_CHARS digits always fit, so quantize never overflows
-        return value.quantize(CENT, rounding=ROUND_HALF_UP)
-
-
-def as_text(completion: Any) -> str | None:
-    if isinstance(completion, str):
-        return completion
-    if isinstance(completion, bytes | bytearray):
-        return bytes(completion).decode("utf-8", errors="replace")
-    return None
-
-
-def final_answers(completion: Any, answer_format: str = "answer_line") -> list[str]:
-    """Every raw final-answer string the completion states, in order (unparsed)."""
-    text = as_text(completion)
-    if text is None:
-        return []
-    if answer_format not in ANSWER_FORMATS:
-        raise ValueError(f"answer_format '{answer_format}' is not one of {', '.join(ANSWER_FORMATS)}")
-    pattern = _ANSWER_TAG if answer_format == "answer_tag" else _ANSWER_LINE
-    return [m.group(1) for m in pattern.finditer(text)]
-
-
-def final_answer(completion: Any, answer_format: str = "answer_line") -> Decimal | None:
-    """The one final answer, at cent precision; None when there is none, one is garbage, or two differ."""
-    values = {parse_amount(raw) for raw in final_answers(completion, answer_format)}
-    values = {to_cents(v) if v is not None else None for v in values}
-    if len(values) != 1 or None in values:
-        return None
-    return values.pop()
 
 
 # ---------------------------------------------------------------------------
 # built-in rewards
 
 
-def correct(completions: list, answer: list, answer_format: str = "answer_line", **kwargs: Any) -> list[float]:
+def _prompts(prompt: list | None, n: int) -> list:
+    return list(prompt) if prompt is not None else [None] * n
+
+
+def correct(completions: list, answer: list, answer_format: str = "answer_line", prompt: list | None = None,
+            **kwargs: Any) -> list[float]:
     """1.0 when the single final answer equals the gold `answer` at cent precision, else 0.0."""
     scores = []
-    for completion, gold in zip(completions, answer, strict=True):
+    for completion, gold, question in zip(completions, answer, _prompts(prompt, len(completions)), strict=True):
         gold_value = parse_amount(str(gold))
         if gold_value is None:
             raise ValueError(f"gold answer {gold!r} is not a number")
-        got = final_answer(completion, answer_format)
+        got = final_answer(completion, answer_format, question)
         scores.append(1.0 if got is not None and got == to_cents(gold_value) else 0.0)
     return scores
 
 
-def format_ok(completions: list, answer_format: str = "answer_line", **kwargs: Any) -> list[float]:
+def format_ok(completions: list, answer_format: str = "answer_line", prompt: list | None = None,
+              **kwargs: Any) -> list[float]:
     """1.0 when the final answer is stated exactly once and is a clean number, else 0.0."""
     scores = []
-    for completion in completions:
-        raw = final_answers(completion, answer_format)
+    for completion, question in zip(completions, _prompts(prompt, len(completions)), strict=True):
+        raw = final_answers(completion, answer_format, question)
         scores.append(1.0 if len(raw) == 1 and parse_amount(raw[0]) is not None else 0.0)
     return scores
 
@@ -154,10 +90,178 @@ def overlong(completions: list, completion_tokens: list | None = None, max_new_t
     return [0.0 if n <= safe else -1.0 if n > max_new_tokens else (safe - n) / buffer for n in completion_tokens]
 
 
+def _one_stated(completion: Any, answer_format: str, prompt: Any) -> str | None:
+    """The completion's final answer as written (stripped), when every stated answer is the same text."""
+    stated = {" ".join(raw.split()).strip("*_ .") for raw in final_answers(completion, answer_format, prompt)}
+    return stated.pop() if len(stated) == 1 and "" not in stated else None
+
+
+# A number followed only by words ("18 dollars", "5 bikes") is that number; math-verify would read the
+# words as a product of symbols.
+_NUMBER_THEN_WORDS = re.compile(r"([-+]?[$€£]?[0-9][0-9,]*(?:\.[0-9]+)?)[ ]*[A-Za-z][A-Za-z ]*")
+
+
+def _math_parse(text: str) -> list:
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse
+
+    if m := _NUMBER_THEN_WORDS.fullmatch(text):
+        text = m.group(1)
+    return parse(f"${text}$", extraction_config=[LatexExtractionConfig(), ExprExtractionConfig()])
+
+
+def gold_answer(gold: Any) -> str:
+    """A gold `answer` column as the bare answer: GSM8K's `... #### 72`, MATH's `\boxed{...}`
+    and an `Answer:` line are reduced to what they mark; anything else is taken as it is."""
+    text = str(gold)
+    for answer_format in ("hash", "boxed", "answer_tag", "answer_line"):
+        if (found := _one_stated(text, answer_format, None)) is not None:
+            return found
+    return text.strip()
+
+
+def math_equal(completions: list, answer: list, answer_format: str = "answer_line", prompt: list | None = None,
+               **kwargs: Any) -> list[float]:
+    """1.0 when the completion's single final answer is mathematically equal to the gold `answer`
+    (math-verify: `0.5` = `1/2` = `\frac{1}{2}`, `1,000` = `1000`), else 0.0. The gold may be a
+    full solution (see `gold_answer`). A completion stating two different answers scores 0."""
+    from math_verify import verify
+
+    scores = []
+    parsed_gold: dict[str, list] = {}
+    for completion, gold, question in zip(completions, answer, _prompts(prompt, len(completions)), strict=True):
+        key = gold_answer(gold)
+        if key not in parsed_gold:
+            parsed_gold[key] = _math_parse(key)
+            if not parsed_gold[key]:
+                raise ValueError(f"gold answer {gold!r} does not parse as math")
+        got = _one_stated(completion, answer_format, question)
+        if got is None or len(got) > 200:
+            scores.append(0.0)
+            continue
+        target = _math_parse(got)
+        scores.append(1.0 if target and verify(parsed_gold[key], target) else 0.0)
+    return scores
+
+
+def single_answer(completions: list, answer_format: str = "answer_line", prompt: list | None = None,
+                  **kwargs: Any) -> list[float]:
+    """1.0 when the completion states exactly one final answer (any content: LaTeX, words), else 0.0:
+    the format reward for answers that are not plain numbers (`format` wants a clean number)."""
+    return [1.0 if len(final_answers(c, answer_format, q)) == 1 and _one_stated(c, answer_format, q) else 0.0
+            for c, q in zip(completions, _prompts(prompt, len(completions)), strict=True)]
+
+
+# <think>reasoning</think> then <answer>X</answer> and nothing else: the layout DeepSeek-R1 trained with.
+_THINK_ANSWER = re.compile(r"\s*<think>[^<]*(?:<(?!/?think>|/?answer>)[^<]*)*</think>\s*<answer>[^<]*</answer>\s*")
+
+
+def think_format(completions: list, **kwargs: Any) -> list[float]:
+    """1.0 when the completion is exactly `<think>...</think>` followed by `<answer>...</answer>`
+    (whitespace around them allowed, no second think or answer tag), else 0.0."""
+    return [1.0 if (text := as_text(c)) is not None and _THINK_ANSWER.fullmatch(text) else 0.0
+            for c in completions]
+
+
+# ---------------------------------------------------------------------------
+# countdown: a safe arithmetic parser (never eval)
+
+MAX_EXPRESSION_CHARS = 120
+_EXPR_TOKEN = re.compile(r"\s*(?:([0-9]+)|([-+*/()×÷−]))")
+_SYNONYMS = {"×": "*", "÷": "/", "−": "-"}
+
+
+def parse_expression(text: str) -> tuple[Fraction, list[int]] | None:
+    """`(12 - 7) * 3` -> (Fraction(15), [12, 7, 3]): its exact value and the numbers it uses, in order.
+    Whole numbers, + - * / and parentheses only (no unary minus, no implicit product); None for
+    anything else, a division by zero, or over MAX_EXPRESSION_CHARS characters."""
+    text = text.strip()
+    if not text or len(text) > MAX_EXPRESSION_CHARS:
+        return None
+    tokens, position = [], 0
+    while position < len(text):
+        m = _EXPR_TOKEN.match(text, position)
+        if m is None:
+            return None
+        tokens.append(int(m.group(1)) if m.group(1) else _SYNONYMS.get(m.group(2), m.group(2)))
+        position = m.end()
+    numbers: list[int] = []
+
+    def expression(i: int) -> tuple[Fraction, int]:  # expression := term (('+' | '-') term)*
+        value, i = term(i)
+        while i < len(tokens) and tokens[i] in ("+", "-"):
+            rhs, j = term(i + 1)
+            value, i = (value + rhs if tokens[i] == "+" else value - rhs), j
+        return value, i
+
+    def term(i: int) -> tuple[Fraction, int]:  # term := factor (('*' | '/') factor)*
+        value, i = factor(i)
+        while i < len(tokens) and tokens[i] in ("*", "/"):
+            rhs, j = factor(i + 1)
+            if tokens[i] == "/" and rhs == 0:
+                raise ZeroDivisionError
+            value, i = (value * rhs if tokens[i] == "*" else value / rhs), j
+        return value, i
+
+    def factor(i: int) -> tuple[Fraction, int]:  # factor := NUMBER | '(' expression ')'
+        if i < len(tokens) and isinstance(tokens[i], int):
+            numbers.append(tokens[i])
+            return Fraction(tokens[i]), i + 1
+        if i < len(tokens) and tokens[i] == "(":
+            value, j = expression(i + 1)
+            if j < len(tokens) and tokens[j] == ")":
+                return value, j + 1
+        raise ValueError("not an expression")
+
+    try:  # recursion depth is bounded by MAX_EXPRESSION_CHARS parentheses
+        value, end = expression(0)
+    except (ValueError, ZeroDivisionError):
+        return None
+    return (value, numbers) if end == len(tokens) else None
+
+
+def _countdown_expression(completion: Any, numbers: Any, answer_format: str, prompt: Any):
+    """(value, uses every given number exactly once) of the completion's final expression, or None."""
+    stated = _one_stated(completion, answer_format, prompt)
+    parsed = parse_expression(stated.split("=")[0]) if stated is not None else None
+    if parsed is None:
+        return None
+    value, used = parsed
+    return value, sorted(used) == sorted(int(n) for n in numbers)
+
+
+def countdown(completions: list, numbers: list, target: list, answer_format: str = "answer_line",
+              prompt: list | None = None, **kwargs: Any) -> list[float]:
+    """1.0 when the final answer is an expression that uses each of `numbers` exactly once with + - * /
+    and equals `target` exactly (fractions allowed on the way), else 0.0. `Answer: (12 - 7) * 3` and
+    `Answer: (12 - 7) * 3 = 15` both state the expression; any correct expression counts."""
+    scores = []
+    for completion, given, goal, question in zip(completions, numbers, target, _prompts(prompt, len(completions)),
+                                                 strict=True):
+        got = _countdown_expression(completion, given, answer_format, question)
+        scores.append(1.0 if got is not None and got[1] and got[0] == int(goal) else 0.0)
+    return scores
+
+
+def countdown_valid(completions: list, numbers: list, answer_format: str = "answer_line",
+                    prompt: list | None = None, **kwargs: Any) -> list[float]:
+    """1.0 when the final answer is a well-formed expression using each of `numbers` exactly once,
+    whatever its value (the format reward of the countdown recipe), else 0.0."""
+    scores = []
+    for completion, given, question in zip(completions, numbers, _prompts(prompt, len(completions)), strict=True):
+        got = _countdown_expression(completion, given, answer_format, question)
+        scores.append(1.0 if got is not None and got[1] else 0.0)
+    return scores
+
+
 BUILTIN_REWARDS: dict[str, RewardFn] = {
     "correct": correct,
     "format": format_ok,
     "overlong": overlong,
+    "math_equal": math_equal,
+    "think_format": think_format,
+    "single_answer": single_answer,
+    "countdown": countdown,
+    "countdown_valid": countdown_valid,
 }
 
 
@@ -171,6 +275,9 @@ class WeightedReward:
     fn: RewardFn
     weight: float
     args: dict = field(default_factory=dict)  # the recipe's extra keyword arguments (rewards[i].args)
+    timeout_s: float | None = None  # per call (one prompt's group); None = called in the trainer's process, no limit
+    on_failure: str = "zero"  # a sample it fails on scores 0 ("zero") or leaves the loss ("drop")
+    worker: Any = field(default=None, compare=False, repr=False)  # reward_worker.RewardWorker when timeout_s is set
 
 
 def load_reward(name: str) -> RewardFn:
@@ -225,7 +332,19 @@ def load_rewards(specs: list) -> list[WeightedReward]:
         args = dict(getattr(spec, "args", None) or {})
         if clash := sorted(set(args) & set(_RESERVED)):
             raise UsageError(f"rewards[{i}].args: {', '.join(clash)} is passed by the scorer itself; drop it")
-        loaded.append(WeightedReward(spec.name, load_reward(spec.name), float(spec.weight), args))
+        timeout_s = getattr(spec, "timeout_s", None)
+        on_failure = getattr(spec, "on_failure", "zero")
+        if timeout_s is not None and not (math.isfinite(timeout_s) and timeout_s > 0):
+            raise UsageError(f"rewards[{i}].timeout_s: {timeout_s} must be > 0 seconds, or null for no limit")
+        if on_failure not in ON_FAILURE:
+            raise UsageError(f"rewards[{i}].on_failure: '{on_failure}' is not one of {', '.join(ON_FAILURE)}")
+        fn = load_reward(spec.name)
+        worker = None
+        if timeout_s is not None:
+            from grpo_cli.reward_worker import RewardWorker
+
+            worker = RewardWorker(spec.name, fn, float(timeout_s))
+        loaded.append(WeightedReward(spec.name, fn, float(spec.weight), args, timeout_s, on_failure, worker))
     return loaded
 
 
@@ -262,14 +381,16 @@ def validate_columns(rows: list[dict], needed: list, where: str = "row") -> None
 # scoring
 
 
+ON_FAILURE = ("zero", "drop")
+MAX_TIMEOUTS_IN_A_ROW = 3  # then a function's remaining calls in this scoring are skipped (a held-out set has 200 groups)
+
+
 @dataclass
 class RewardFailures:
-    """Samples a reward function could not score (it raised, returned the wrong count, or NaN/inf).
+    """Samples a reward function could not score: it raised, timed out, returned the wrong count or type,
+    or a value that is not a finite number. The caller decides when too many is too many."""
 
-    Those samples score 0 for that function; the caller decides when too many is too many.
-    """
-
-    counts: Counter = field(default_factory=Counter)  # function name -> samples scored 0 because of a failure
+    counts: Counter = field(default_factory=Counter)  # function name -> samples it failed on
     last_error: dict[str, str] = field(default_factory=dict)  # function name -> the latest reason, one line
 
     def record(self, name: str, samples: int, reason: str) -> None:
@@ -281,64 +402,130 @@ class RewardFailures:
         return sum(self.counts.values())
 
 
-def _call_reward(reward: WeightedReward, completions: list, columns: dict[str, list], answer_format: str,
-                 failures: RewardFailures, extra: dict[str, Any]) -> list[float]:
+def _invoke(reward: WeightedReward, completions: list, kwargs: dict[str, Any]) -> tuple[str, Any]:
+    """One call: in the reward's worker (under its time limit) or, without timeout_s, in this process."""
+    from grpo_cli.reward_worker import call_in_process
+
+    if reward.worker is not None:
+        return reward.worker.call(completions, kwargs)
+    return call_in_process(reward.fn, completions, kwargs)
+
+
+def _as_score(value: Any) -> float | None:
+    if isinstance(value, numbers.Real):  # int, float, bool, numpy scalars; not strings or tensors
+        x = float(value)
+        return x if math.isfinite(x) else None
+    return None
+
+
+def _score_chunk(reward: WeightedReward, completions: list, per_sample: dict[str, list], fixed: dict[str, Any],
+                 first: int, failed: list[bool], reasons: list[str]) -> list[float]:
+    """Scores of one call's completions (samples first..first+n-1 of the batch); failures marked in `failed`.
+    `per_sample` holds the keyword arguments with one value per completion (the columns, the prompts,
+    the token counts), `fixed` the others. A call that raises is retried one sample at a time, so only
+    the samples it fails on are lost."""
     n = len(completions)
-    try:
-        values = list(reward.fn(completions, **columns, answer_format=answer_format, **extra, **reward.args))
-    except Exception as e:
-        failures.record(reward.name, n, f"raised {type(e).__name__}: {' '.join(str(e).split())[:200]}")
+    tag, out = _invoke(reward, completions, {**per_sample, **fixed})
+    if tag == "raised" and n > 1:
+        scores = []
+        for j in range(n):
+            one = {k: v[j : j + 1] for k, v in per_sample.items()}
+            scores += _score_chunk(reward, completions[j : j + 1], one, fixed, first + j, failed, reasons)
+        return scores
+    if tag != "ok":
+        where = f"sample {first}" if n == 1 else f"samples {first}-{first + n - 1}"
+        reasons.append(f"{where}: {out}")
+        failed[first : first + n] = [True] * n
         return [0.0] * n
-    if len(values) != n:
-        failures.record(reward.name, n, f"returned {len(values)} values for {n} completions")
+    if len(out) != n:
+        reasons.append(f"samples {first}-{first + n - 1}: returned {len(out)} values for {n} completions")
+        failed[first : first + n] = [True] * n
         return [0.0] * n
     scores = []
-    bad = 0
-    for v in values:
-        try:
-            x = float(v)
-        except (TypeError, ValueError):
-            x = math.nan
-        if not math.isfinite(x):
-            bad += 1
-            x = 0.0
-        scores.append(x)
-    if bad:
-        failures.record(reward.name, bad, f"returned {bad} non-finite or non-numeric values")
+    for j, value in enumerate(out):
+        x = _as_score(value)
+        if x is None:
+            reasons.append(f"sample {first + j}: returned {value!r:.40}, not a finite number")
+            failed[first + j] = True
+        scores.append(0.0 if x is None else x)
     return scores
+
+
+def _call_reward(reward: WeightedReward, completions: list, per_sample: dict[str, list], fixed: dict[str, Any],
+                 failures: RewardFailures, group_size: int) -> tuple[list[float], list[bool]]:
+    """([N] scores, [N] failed) of one function, one call per group of `group_size` completions.
+    Once it has failed on more than half the samples, or timed out on MAX_TIMEOUTS_IN_A_ROW calls in
+    a row, its remaining groups are not called and count as failed: each call could cost a full
+    timeout, and a training run stops on a function that fails on most samples anyway."""
+    n = len(completions)
+    failed, reasons, scores = [False] * n, [], []
+    fixed = {**fixed, **reward.args}
+    timeouts_in_a_row = 0
+    for first in range(0, n, group_size):
+        chunk = slice(first, min(first + group_size, n))
+        if sum(failed) > n / 2 or timeouts_in_a_row >= MAX_TIMEOUTS_IN_A_ROW:
+            failed[chunk] = [True] * len(completions[chunk])
+            scores += [0.0] * len(completions[chunk])
+            continue
+        group = {k: v[chunk] for k, v in per_sample.items()}
+        before = len(reasons)
+        scores += _score_chunk(reward, completions[chunk], group, fixed, first, failed, reasons)
+        timed_out = len(reasons) > before and "timed out after" in reasons[-1]
+        timeouts_in_a_row = timeouts_in_a_row + 1 if timed_out else 0
+    if any(failed):
+        failures.record(reward.name, sum(failed), reasons[-1] if reasons else "skipped after most samples failed")
+    return scores, failed
 
 
 class Scores(NamedTuple):
     total: list[float]  # [N] weighted sum over the reward functions
     per_function: dict[str, list[float]]  # name -> [N] raw scores, in recipe order (the first is the main one)
+    dropped: list[bool] | None = None  # [N] a reward with on_failure=drop failed on it: it leaves the loss
 
 
-# keyword names the scorer itself passes (the last two when the caller knows them: grpo train, grpo eval)
-_RESERVED = ("completions", "answer_format", "completion_tokens", "max_new_tokens")
+# keyword names the scorer itself passes (the last three when the caller knows them: grpo train, grpo eval)
+_RESERVED = ("completions", "answer_format", "completion_tokens", "max_new_tokens", "prompt")
 
 
 def score(rewards: list[WeightedReward], completions: list, columns: dict[str, list], answer_format: str,
           failures: RewardFailures | None = None, completion_tokens: list[int] | None = None,
-          max_new_tokens: int | None = None) -> Scores:
+          max_new_tokens: int | None = None, prompts: list[str] | None = None,
+          group_size: int | None = None) -> Scores:
     """Score N completions with every reward; columns are aligned with completions (each [N]).
-    `completion_tokens` ([N] token counts) and `max_new_tokens` (the cap) reach the functions
-    that take them (e.g. `overlong`) when given.
+    `completion_tokens` ([N] token counts), `max_new_tokens` (the cap) and `prompts` ([N] the
+    question each completion answers, passed as `prompt`) reach the functions when given.
 
-    A function that fails scores 0 on the samples it failed, and `failures` (when given)
-    counts them; pass one RewardFailures across steps to watch the rate.
+    Each function is called once per group of `group_size` consecutive completions (one prompt's
+    group; None = all N in one call), in its worker under `timeout_s` when it has one. A function
+    that fails scores 0 on the samples it failed, `failures` (when given) counts them, and with
+    on_failure=drop those samples are marked in `Scores.dropped`.
     """
+    n = len(completions)
     for name, values in columns.items():
         if name in _RESERVED:
             raise ValueError(f"a dataset column is named '{name}', which reward functions receive as an argument; "
                              "rename the column")
-        if len(values) != len(completions):
-            raise ValueError(f"column '{name}' has {len(values)} values for {len(completions)} completions")
+        if len(values) != n:
+            raise ValueError(f"column '{name}' has {len(values)} values for {n} completions")
     failures = failures if failures is not None else RewardFailures()
-    extra = {k: v for k, v in (("completion_tokens", completion_tokens), ("max_new_tokens", max_new_tokens))
-             if v is not None}
-    per_function = {r.name: _call_reward(r, completions, columns, answer_format, failures, extra) for r in rewards}
-    total = [sum(r.weight * per_function[r.name][i] for r in rewards) for i in range(len(completions))]
-    return Scores(total, per_function)
+    per_sample = {**columns, **{k: v for k, v in (("completion_tokens", completion_tokens), ("prompt", prompts))
+                                if v is not None}}
+    fixed = {"answer_format": answer_format, **({"max_new_tokens": max_new_tokens} if max_new_tokens else {})}
+    per_function, dropped = {}, [False] * n
+    for r in rewards:
+        per_function[r.name], failed = _call_reward(r, completions, per_sample, fixed, failures,
+                                                    group_size or max(n, 1))
+        if r.on_failure == "drop":
+            dropped = [d or f for d, f in zip(dropped, failed, strict=True)]
+    total = [sum(r.weight * per_function[r.name][i] for r in rewards) for i in range(n)]
+    return Scores(total, per_function, dropped)
+
+
+def close_workers(rewards: list[WeightedReward]) -> None:
+    """End the reward workers (at the end of a run; a killed run's workers exit on their own)."""
+    for r in rewards:
+        if r.worker is not None:
+            r.worker.close()
 
 
 # ---------------------------------------------------------------------------
@@ -447,7 +634,9 @@ def run_cases(config: Any, run_dir: Any) -> int:
         # One case at a time: a reward that crashes on one case shows on that row only.
         columns = {k: [v] for k, v in case.items() if k not in _CASE_KEYS and not k.startswith("_")}
         case_failures = RewardFailures()
-        _, per_function = score(rewards, [case["completion"]], columns, config.data.answer_format, case_failures)
+        prompt = case.get(config.data.prompt_column)
+        _, per_function, _ = score(rewards, [case["completion"]], columns, config.data.answer_format, case_failures,
+                                   prompts=[prompt] if isinstance(prompt, str) else None)
         for name, count in case_failures.counts.items():
             failures.record(name, count, f"{where}: {case_failures.last_error[name]}")
         for name in names:

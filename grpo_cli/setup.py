@@ -32,9 +32,9 @@ class Task:
 
     def encode(self, row: dict[str, Any], cfg: TrainConfig) -> list[int]:
         """A row's prompt, rendered with data.template, as token ids."""
-        from grpo_cli.prompts import render
+        from grpo_cli.prompts import render_row
 
-        return self.tokenizer(render(row[cfg.data.prompt_column], cfg.data.template, self.tokenizer),
+        return self.tokenizer(render_row(row, cfg.data, self.tokenizer),
                               add_special_tokens=False)["input_ids"]
 
 
@@ -72,12 +72,12 @@ def preflight(cfg: TrainConfig) -> Task:
 
 def check_prompt_lengths(task: Task, cfg: TrainConfig) -> None:
     """Every prompt + rollout.max_new_tokens must fit the model's context (vLLM would refuse it mid-run)."""
-    from grpo_cli.prompts import render
+    from grpo_cli.prompts import render_row
     from grpo_cli.rollout import max_model_len
 
     context = max_model_len(task.model_path, cfg.model)
     for name, rows in (("train", task.train_rows), ("held-out", task.heldout_rows)):
-        texts = [render(row[cfg.data.prompt_column], cfg.data.template, task.tokenizer) for row in rows]
+        texts = [render_row(row, cfg.data, task.tokenizer) for row in rows]
         lengths = [len(ids) for ids in task.tokenizer(texts, add_special_tokens=False)["input_ids"]]
         worst = max(range(len(rows)), key=lengths.__getitem__)
         if lengths[worst] + cfg.rollout.max_new_tokens > context:

@@ -115,7 +115,9 @@ def step_metrics(step: int, groups: Any, batch: Any, stats: dict[str, Any], timi
         "reward/mean": float(groups.reward.mean()),
         "reward/std": float(groups.reward.std(unbiased=False)),
         **{f"reward/{name}": sum(vals) / len(vals) for name, vals in scored.per_function.items()},
-        "reward/failures": groups.failures.total,
+        "reward/failures": groups.failures.total,  # samples x functions that raised, timed out or returned junk
+        "reward/dropped": int(groups.dropped.sum()),  # samples that left the loss (a reward with on_failure=drop failed)
+        **{f"reward_failures/{name}": groups.failures.counts.get(name, 0) for name in scored.per_function},
         **update_stats,  # loss, the loss's token means (kl, clip_frac, ...), grad_norm, skips, mismatch
         "lr": lr,
         "completion_len/mean": sum(lengths) / len(lengths),
@@ -201,7 +203,8 @@ def evaluate(engine: Any, rows: list[dict[str, Any]], encode: Any, reward_fns: A
 
     metrics = heldout_metrics(engine, rows, encode, reward_fns, cfg.data.answer_format, cfg.eval.samples_per_problem,
                               cfg.eval.temperature, cfg.rollout.top_p, cfg.rollout.max_new_tokens,
-                              sample_seeds(cfg.trainer.seed, step, len(rows), stream=1))
+                              sample_seeds(cfg.trainer.seed, step, len(rows), stream=1),
+                              prompt_column=cfg.data.prompt_column)
     return flatten(metrics)
 
 

@@ -60,12 +60,12 @@ def workload_prompts(cfg: Any, count: int) -> tuple[list[dict], list[str]]:
     import random
 
     from grpo_cli import data
-    from grpo_cli.prompts import render
+    from grpo_cli.prompts import render_row
 
     train_rows, _ = data.load_splits(cfg.data)
     order = random.Random(cfg.trainer.seed).sample(range(len(train_rows)), len(train_rows))
     rows = [train_rows[i] for i in order[:count]]
-    return rows, [render(r[cfg.data.prompt_column], cfg.data.template) for r in rows]
+    return rows, [render_row(r, cfg.data) for r in rows]
 
 
 def spread(values: list[float]) -> dict[str, float]:

@@ -39,6 +39,19 @@ def huge(completions, **kwargs):  # finite rewards whose advantages overflow the
 
 def nan_sometimes(completions, **kwargs):
     return [math.nan if i == 0 else 0.5 for i in range(len(completions))]
+
+def sleeps(completions, **kwargs):  # a checker that hangs
+    import time
+    time.sleep(60)
+    return [0.0] * len(completions)
+
+def three_values(completions, **kwargs):
+    return [1.0, 0.0, 1.0]
+
+def raises_sometimes(completions, **kwargs):  # crashes on some samples only (about one in four)
+    if any(len(c) % 4 == 0 for c in completions):
+        raise RuntimeError("cannot parse this one")
+    return [0.5] * len(completions)
 '''
 
 
@@ -171,9 +184,15 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
         (["model.max_context_tokens=40"], "exceeds the model's context of 40 tokens"),
         (["model.name_or_path=/nonexistent/ckpt"], "model.name_or_path: model '/nonexistent/ckpt' does not exist"),
         (["rewards=[{name:test_rewards_mod:nope}]"], "nope"),
-        (["rewards=[{name:test_rewards_mod:boom}]", "rollout.engine=hf"], "failed on most samples"),
-        (["rewards=[{name:test_rewards_mod:too_few}]", "rollout.engine=hf"], "returned 1 values for 8"),
-        (["rewards=[{name:test_rewards_mod:nan_always}]", "rollout.engine=hf"], "non-finite"),
+        (["rewards=[{name:test_rewards_mod:boom}]", "rollout.engine=hf"], "failed on 8 of 8 samples at step 0"),
+        (["rewards=[{name:test_rewards_mod:too_few}]", "rollout.engine=hf"], "returned 1 values for 4 completions"),
+        (["rewards=[{name:test_rewards_mod:nan_always}]", "rollout.engine=hf"], "not a finite number"),
+        # issue 18: a reward that hangs is killed after timeout_s and stops the run in bounded time;
+        # one that returns 3 values for a group of 4 names the function and the samples
+        (["rewards=[{name:test_rewards_mod:sleeps,timeout_s:1}]", "rollout.engine=hf"],
+         "'test_rewards_mod:sleeps' failed on 8 of 8 samples at step 0: samples 4-7: timed out after 1 s"),
+        (["rewards=[{name:test_rewards_mod:three_values}]", "rollout.engine=hf"],
+         "'test_rewards_mod:three_values' failed on 8 of 8 samples at step 0: samples 4-7: returned 3 values for 4"),
         (["rewards=[{name:test_rewards_mod:huge}]", "trainer.advantage=group_mean", "rollout.engine=hf",
           "trainer.steps=4"], "steps in a row had a non-finite loss or gradient"),
     ],
@@ -208,4 +227,16 @@ def test_a_few_failing_samples_score_zero_and_are_counted(workdir):
     assert out.returncode == 0, out.stderr[-2000:]
     metrics = [json.loads(line) for line in (only_run_dir(workdir, "sometimes") / "metrics.jsonl").read_text()
                .splitlines()]
-    assert metrics[-1]["reward/failures"] == 1  # one NaN sample out of 8, scored 0, the run went on
+    # one NaN in each group's call (2 groups of 4), scored 0, the run went on
+    assert metrics[-1]["reward/failures"] == 2 and metrics[-1]["reward_failures/test_rewards_mod:nan_sometimes"] == 2
+
+
+def test_a_reward_that_crashes_on_some_samples_drops_them_from_the_loss(workdir):
+    out = run(workdir, "drop", "trainer.steps=2", "rollout.engine=hf",
+              "rewards=[{name:test_rewards_mod:digit_share},{name:test_rewards_mod:raises_sometimes,on_failure:drop}]")
+    assert out.returncode == 0, out.stderr[-2000:]
+    metrics = [json.loads(line) for line in (only_run_dir(workdir, "drop") / "metrics.jsonl").read_text().splitlines()]
+    for m in metrics:
+        fails = m["reward_failures/test_rewards_mod:raises_sometimes"]
+        assert m["reward/dropped"] == fails  # every sample it failed on left the loss, no other one did
+    assert 0 < sum(m["reward/dropped"] for m in metrics) < 16

@@ -16,11 +16,13 @@ import pytest
 from grpo_cli.config import RewardSpec
 from grpo_cli.errors import UsageError
 from grpo_cli.rewards import (
+    ANSWER_FORMATS,
     BUILTIN_REWARDS,
     RewardFailures,
     WeightedReward,
     correct,
     final_answer,
+    final_answers,
     format_ok,
     load_reward,
     load_rewards,
@@ -53,8 +55,10 @@ def test_shipped_cases_hold_at_least_30_checked_cases():
 def test_every_shipped_case(case):
     expected = case["expected"]
     expected = expected if isinstance(expected, dict) else {"correct": expected}
-    got = {"correct": correct([case["completion"]], answer=[case["answer"]], answer_format="answer_line")[0],
-           "format": format_ok([case["completion"]], answer_format="answer_line")[0]}
+    prompt = [case.get("question")]  # what the scorer passes as `prompt` (the row's prompt column)
+    got = {"correct": correct([case["completion"]], answer=[case["answer"]], answer_format="answer_line",
+                              prompt=prompt)[0],
+           "format": format_ok([case["completion"]], answer_format="answer_line", prompt=prompt)[0]}
     for name, value in expected.items():
         assert got[name] == value, (name, case["note"])
 
@@ -178,7 +182,8 @@ def custom_module(tmp_path, monkeypatch):
 def test_load_builtin_and_custom(custom_module):
     assert load_reward("correct") is correct
     assert load_reward("format") is format_ok
-    assert set(BUILTIN_REWARDS) == {"correct", "format", "overlong"}
+    assert set(BUILTIN_REWARDS) == {"correct", "format", "overlong", "math_equal", "think_format", "single_answer", "countdown",
+                                   "countdown_valid"}
     fn = load_reward(f"{custom_module}:length_penalty")
     assert fn(["abcd"]) == [-0.04]
 
@@ -230,7 +235,8 @@ def _weighted(name, fn, weight=1.0):
 def test_score_weights_and_per_function():
     rewards = [_weighted("correct", correct, 1.0), _weighted("format", format_ok, 0.5)]
     completions = ["Answer: 2", "Answer: 3", "nothing"]
-    total, per_function = score(rewards, completions, {"answer": ["2", "2", "2"]}, "answer_line")
+    total, per_function, dropped = score(rewards, completions, {"answer": ["2", "2", "2"]}, "answer_line")
+    assert dropped == [False, False, False]
     assert per_function == {"correct": [1.0, 0.0, 0.0], "format": [1.0, 1.0, 0.0]}
     assert total == [1.5, 0.5, 0.0]
     scored = score(rewards, completions, {"answer": ["2", "2", "2"]}, "answer_line")
@@ -240,14 +246,14 @@ def test_score_weights_and_per_function():
 @pytest.mark.parametrize("bad_fn, failed_samples, reason", [
     (lambda completions, **kw: 1 / 0, 3, "raised ZeroDivisionError"),
     (lambda completions, **kw: [1.0], 3, "returned 1 values for 3 completions"),
-    (lambda completions, **kw: [math.nan, 1.0, math.inf], 2, "non-finite"),
-    (lambda completions, **kw: ["x", None, 1.0], 2, "non-numeric"),
-    (lambda completions, **kw: None, 3, "raised TypeError"),
+    (lambda completions, **kw: [math.nan, 1.0, math.inf], 2, "sample 2: returned inf, not a finite number"),
+    (lambda completions, **kw: ["x", None, 1.0], 2, "sample 1: returned None, not a finite number"),
+    (lambda completions, **kw: None, 3, "returned NoneType, not a list of numbers"),
 ])
 def test_a_failing_reward_scores_zero_and_is_counted(bad_fn, failed_samples, reason):
     rewards = [_weighted("format", format_ok), _weighted("bad", bad_fn, 2.0)]
     failures = RewardFailures()
-    total, per_function = score(rewards, ["Answer: 1"] * 3, {}, "answer_line", failures)
+    total, per_function, _ = score(rewards, ["Answer: 1"] * 3, {}, "answer_line", failures)
     assert per_function["format"] == [1.0, 1.0, 1.0]
     assert all(v in (0.0, 1.0) for v in per_function["bad"])
     assert sum(v == 0.0 for v in per_function["bad"]) == failed_samples
@@ -274,7 +280,7 @@ def test_score_rejects_misaligned_or_reserved_columns():
 
 def test_columns_arrive_by_name(custom_module):
     rewards = [_weighted("tier", load_reward("my_rewards:needs_tier"))]
-    _, per_function = score(rewards, ["a", "b"], {"tier": [1, 3], "answer": ["1", "2"]}, "answer_line")
+    _, per_function, _ = score(rewards, ["a", "b"], {"tier": [1, 3], "answer": ["1", "2"]}, "answer_line")
     assert per_function["tier"] == [1.0, 3.0]
 
 
@@ -353,3 +359,74 @@ def test_reward_args_reach_the_function_and_token_counts_come_from_the_scorer():
     assert scored.per_function["overlong"] == [0.0, -0.5]
     with pytest.raises(UsageError, match="rewards\\[0\\].args: max_new_tokens is passed by the scorer"):
         load_rewards([RewardSpec(name="overlong", args={"max_new_tokens": 5})])
+
+
+# ---------------------------------------------------------------------------
+# issue 18: one rule per answer format
+
+
+@pytest.mark.parametrize("answer_format, text, answers", [
+    ("answer_line", "54 - 5.4 = 48.6. Answer: 48.6", [" 48.6"]),
+    ("answer_line", "Answer: 1\nso... final answer: 2", [" 1", " 2"]),
+    ("answer_line", "**Answer:** 7", ["** 7"]),
+    ("answer_line", "the answers: 3", []),  # 'answers' is another word
+    ("answer_line", "Reanswer: 3", []),
+    ("answer_tag", "<answer>1</answer> then <ANSWER>2</ANSWER>", ["1", "2"]),
+    ("answer_tag", "<answer>1<answer>2</answer>", ["2"]),
+    ("boxed", "so \\boxed{\\frac{1}{2}} and that is it", ["\\frac{1}{2}"]),
+    ("boxed", "\\boxed{a{b{c}}d} \\boxed {e}", ["a{b{c}}d", "e"]),
+    ("boxed", "\\boxed{\\boxed{1}}", ["\\boxed{1}"]),  # a box inside a box is part of its contents
+    ("boxed", "\\boxed{1", []),
+    ("boxed", "\\fbox{3}", ["3"]),
+    ("hash", "2 + 2 = 4\n#### 4", [" 4"]),
+    ("hash", "see #### 4 inline", []),  # a #### line must open its line
+])
+def test_final_answers_one_rule_per_format(answer_format, text, answers):
+    assert final_answers(text, answer_format) == answers
+
+
+def test_extraction_is_linear_on_adversarial_text():
+    import time
+
+    junk = ["\\boxed{" * 100_000, "answer:" * 100_000, "<answer>" * 100_000, "####" * 100_000 + "\n" * 1000,
+            "{" * 500_000 + "\\boxed{" + "}" * 10]
+    started = time.perf_counter()
+    for text in junk:
+        for answer_format in ANSWER_FORMATS:
+            final_answers(text, answer_format)
+    assert time.perf_counter() - started < 2.0
+
+
+def test_the_prompt_copy_is_skipped_before_extraction():
+    question = "The sign says Answer: 54.00. How much does Ana pay for 3 days at 18?"
+    assert final_answers(question, "answer_line", prompt=question) == []
+    assert final_answers(question + "\nAnswer: 54", "answer_line", prompt=question) == [" 54"]
+    assert final_answers("Answer: 5", "answer_line", prompt="short") == [" 5"]
+
+
+@pytest.mark.parametrize("text, ok", [
+    ("<think>a</think><answer>1</answer>", 1.0),
+    ("  <think>two\nlines</think>\n\n<answer>x</answer>\n", 1.0),
+    ("<think>a</think><answer>1</answer> trailing", 0.0),
+    ("<answer>1</answer>", 0.0),
+    ("<think>a</think>", 0.0),
+    ("<think>a<think>b</think><answer>1</answer>", 0.0),
+    ("<think>a</think><answer>1</answer><answer>2</answer>", 0.0),
+    ("<think>a < b</think><answer>1</answer>", 1.0),
+])
+def test_think_format(text, ok):
+    from grpo_cli.rewards import think_format
+
+    assert think_format([text]) == [ok]
+
+
+def test_math_equal_and_single_answer():
+    from grpo_cli.rewards import math_equal, single_answer
+
+    gold = ["#### 0.5"] * 5
+    got = ["<answer>1/2</answer>", "<answer>\\frac{1}{2}</answer>", "<answer>0.50</answer>", "<answer>2</answer>",
+           "no tag"]
+    assert math_equal(got, answer=gold, answer_format="answer_tag") == [1.0, 1.0, 1.0, 0.0, 0.0]
+    assert single_answer(["\\boxed{x}", "\\boxed{x}\\boxed{y}", "none"], answer_format="boxed") == [1.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match="does not parse as math"):
+        math_equal(["<answer>1</answer>"], answer=[""], answer_format="answer_tag")

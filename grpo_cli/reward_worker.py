@@ -1,0 +1,138 @@
+"""One reward function in its own process, so a call that overruns `rewards[i].timeout_s` can be killed.
+
+A checker stuck on a pathological string, or a user's function in an endless loop, cannot be
+interrupted inside the trainer's process (a thread cannot be killed, and SIGALRM would land in
+whatever torch or vLLM is doing). So each reward with a time limit gets a worker: a spawned
+process that imports the function by name once and then answers calls over a pipe. A call that
+does not answer in time has its worker killed; the next call starts a fresh one.
+
+The worker ignores Ctrl-C (the trainer decides when to stop) and exits when the trainer's end of
+the pipe closes, so a killed trainer leaves no worker behind.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import signal
+import time
+from typing import Any
+
+START_TIMEOUT_S = 120.0  # a worker's import of its module (e.g. math-verify, sympy) must finish in this time
+
+
+def _one_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+
+
+def _serve(conn: Any, fn: Any) -> None:
+    """The worker's loop: answer (completions, kwargs) with a tagged result. `fn` arrived pickled by
+    reference (module and name), so unpickling it imported its module in this process."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    conn.send(("ready", None))
+    while True:
+        try:
+            request = conn.recv()
+        except (EOFError, OSError):  # the trainer is gone
+            return
+        if request is None:
+            return
+        completions, kwargs = request
+        result = call_in_process(fn, completions, kwargs)
+        try:
+            conn.send(result)
+        except Exception as e:  # values pickle cannot carry back (a generator's frames, a lock, ...)
+            conn.send(("type", f"returned values that cannot be sent back: {_one_line(e)}"))
+
+
+def call_in_process(fn: Any, completions: list, kwargs: dict[str, Any]) -> tuple[str, Any]:
+    """("ok", values) | ("raised", reason) | ("type", reason): one call, its failure told apart."""
+    try:
+        out = fn(completions, **kwargs)
+    except Exception as e:
+        return "raised", f"raised {_one_line(e)}"
+    if isinstance(out, str | bytes | dict) or not hasattr(out, "__iter__"):
+        return "type", f"returned {type(out).__name__}, not a list of numbers"
+    try:
+        return "ok", list(out)
+    except Exception as e:
+        return "raised", f"raised while its result was read: {_one_line(e)}"
+
+
+class RewardWorker:
+    """A killable process running one reward function; started on the first call."""
+
+    def __init__(self, name: str, fn: Any, timeout_s: float) -> None:
+        self.name, self.fn, self.timeout_s = name, fn, timeout_s
+        self.process: Any = None
+        self.conn: Any = None
+
+    def _start(self) -> tuple[str, Any] | None:
+        """Start the worker; None when it is ready, else the failure to report."""
+        ctx = multiprocessing.get_context("spawn")  # fork would copy the trainer's threads and locks
+        parent, child = ctx.Pipe()
+        self.process = ctx.Process(target=_serve, args=(child, self.fn), daemon=True,
+                                   name=f"grpo-reward-{self.name}")
+        try:
+            self.process.start()
+        except Exception as e:  # a function pickle cannot name (a lambda, a closure): no worker for it
+            self.process = None
+            parent.close()
+            child.close()
+            return "raised", f"cannot run in a worker ({_one_line(e)}); define it at module level, or set timeout_s: null"
+        child.close()
+        self.conn = parent
+        if not parent.poll(START_TIMEOUT_S):
+            self.kill()
+            return "timeout", f"its worker did not start within {START_TIMEOUT_S:g} s"
+        try:
+            tag, reason = parent.recv()
+        except (EOFError, OSError):
+            self.kill()
+            return "raised", "its worker died while starting"
+        if tag != "ready":
+            self.kill()
+            return tag, reason
+        return None
+
+    def call(self, completions: list, kwargs: dict[str, Any]) -> tuple[str, Any]:
+        """("ok", values) | ("raised" | "type" | "timeout", reason), within timeout_s seconds of the call."""
+        if self.process is None or not self.process.is_alive():
+            if (failure := self._start()) is not None:
+                return failure
+        started = time.monotonic()
+        try:
+            self.conn.send((completions, kwargs))
+        except Exception as e:  # e.g. a column value that cannot be pickled
+            self.kill()
+            return "raised", f"its inputs could not be sent to the worker: {_one_line(e)}"
+        if not self.conn.poll(self.timeout_s):
+            self.kill()
+            return "timeout", f"timed out after {self.timeout_s:g} s (worker killed)"
+        try:
+            result = self.conn.recv()
+        except (EOFError, OSError):
+            code = self.process.exitcode if self.process is not None else None
+            self.kill()
+            return "raised", f"its worker died after {time.monotonic() - started:.1f} s (exit code {code})"
+        except Exception as e:  # the result could not be unpickled
+            self.kill()
+            return "type", f"returned values that cannot be sent back: {_one_line(e)}"
+        return result
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.is_alive():
+            self.process.kill()
+            self.process.join(5)
+        if self.conn is not None:
+            self.conn.close()
+        self.process = self.conn = None
+
+    def close(self) -> None:
+        """End the worker politely (it exits on None), or kill it."""
+        if self.process is not None and self.process.is_alive():
+            try:
+                self.conn.send(None)
+                self.process.join(2)
+            except Exception:  # noqa: BLE001 - closing anyway
+                pass
+        self.kill()

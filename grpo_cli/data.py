@@ -84,24 +84,36 @@ def read_file_rows(path_text: str, key: str = "data.source") -> list[dict]:
     return dataset.to_list()
 
 
-def read_hub_rows(spec: str, default_split: str, key: str = "data.source") -> list[dict]:
-    """Rows of `hub:owner/name[@split]` through datasets.load_dataset."""
+def read_hub_rows(spec: str, default_split: str, key: str = "data.source", hub_config: str | None = None) -> list[dict]:
+    """Rows of `hub:owner/name[@split]` (configuration `hub_config`) through datasets.load_dataset."""
     name, _, split = spec.removeprefix("hub:").partition("@")
     split = split or default_split
     if not name:
         raise UsageError(f"{key}: '{spec}' names no dataset; write hub:owner/name")
     datasets = _quiet_datasets()
     try:
-        dataset = datasets.load_dataset(name, split=split)
+        dataset = datasets.load_dataset(name, hub_config, split=split)
     except Exception as e:
         raise UsageError(f"{key}: cannot load hub dataset '{name}' (split '{split}'): {_one_line(e)}") from None
     return dataset.to_list()
 
 
-def read_rows(source: str, default_split: str, key: str = "data.source") -> list[dict]:
+def read_rows(source: str, default_split: str, key: str = "data.source", hub_config: str | None = None) -> list[dict]:
     if source.startswith("hub:"):
-        return read_hub_rows(source, default_split, key)
+        return read_hub_rows(source, default_split, key, hub_config)
     return read_file_rows(source, key)
+
+
+def rename_columns(rows: list[dict], renames: dict[str, str], source: str) -> list[dict]:
+    """Rows with columns renamed {old: new} (data.rename_columns); a missing old name is an error."""
+    if not renames or not rows:
+        return rows
+    for old, new in renames.items():
+        if old not in rows[0]:
+            raise UsageError(f"data.rename_columns: '{source}' has no column '{old}' (columns: {', '.join(rows[0])})")
+        if new in rows[0] and new not in renames:
+            raise UsageError(f"data.rename_columns: renaming '{old}' to '{new}' would overwrite the column '{new}'")
+    return [{renames.get(k, k): v for k, v in row.items()} for row in rows]
 
 
 def check_rows(rows: list[dict], prompt_column: str, source: str, key: str = "data.source") -> None:
@@ -168,11 +180,13 @@ def load_splits(data: Any) -> tuple[list[dict], list[dict]]:
         train, heldout = builtin_splits(data)
         check_rows(train, data.prompt_column, data.source)
         return train, heldout
-    rows = read_rows(data.source, data.split)
+    rows = rename_columns(read_rows(data.source, data.split, hub_config=data.hub_config), data.rename_columns,
+                          data.source)
     check_rows(rows, data.prompt_column, data.source)
     heldout = None
     if data.heldout_source:
-        heldout = read_rows(data.heldout_source, data.split, key="data.heldout_source")
+        heldout = rename_columns(read_rows(data.heldout_source, data.split, key="data.heldout_source",
+                                           hub_config=data.hub_config), data.rename_columns, data.heldout_source)
         check_rows(heldout, data.prompt_column, data.heldout_source, key="data.heldout_source")
     return split_rows(rows, heldout, data)
 

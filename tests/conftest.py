@@ -8,6 +8,8 @@
 - `bike_splits`: the recipe's default bike_pricing (train, heldout) problems.
 - `tiny_model_dir`: a tiny randomly initialised Qwen2 saved with the shipped tokenizer, for
   runs that need a real model with a real gradient but not the shipped model's accuracy.
+- `tiny_chat_model_dir`: the same model with a ChatML chat template in its tokenizer, for the
+  chat recipes (gsm8k, math).
 """
 
 from __future__ import annotations
@@ -67,5 +69,28 @@ def tiny_model_dir(tmp_path_factory) -> Path:
                          tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.pad_token_id)
     Qwen2ForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+# ChatML, as Qwen2 instruct models write it (system, user and assistant turns, then the generation cue).
+CHATML_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model_dir(tmp_path_factory, tiny_model_dir) -> Path:
+    """`tiny_model_dir` with a chat template, saved through the tokenizer as a chat model ships it."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    path = tmp_path_factory.mktemp("tiny_chat_model")
+    for f in tiny_model_dir.iterdir():
+        shutil.copy(f, path / f.name)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.chat_template = CHATML_TEMPLATE
     tokenizer.save_pretrained(path)
     return path

@@ -4,8 +4,9 @@ Each entry maps a name to its `splits(num_train, num_heldout, seed, tiers)`
 function returning (train, heldout) lists of problems with a `to_row()`.
 """
 
-from grpo_cli.tasks import bike_pricing
+from grpo_cli.tasks import bike_pricing, countdown
 
 BUILTIN_TASKS = {
     "bike_pricing": bike_pricing.splits,
+    "countdown": countdown.splits,
 }

@@ -21,6 +21,7 @@ import random
 from dataclasses import dataclass
 
 TIERS = (1, 2, 3)
+CHECK_REWARDS = ("correct", "format")  # (correctness, format) rewards, as scripts/make_base_model.py measures
 BIKES = ("city bike", "e-bike", "mountain bike", "road bike", "tandem", "cargo bike")
 RATES = (8, 10, 12, 15, 18, 20, 25)  # per day, whole currency units
 ADDONS = ("helmet", "lock", "child seat", "basket")

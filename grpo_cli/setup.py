@@ -41,7 +41,7 @@ class Task:
 def preflight(cfg: TrainConfig) -> Task:
     """Validate everything a run reads before any model loads; raises UsageError naming the key, file or row."""
     from grpo_cli import data, rewards
-    from grpo_cli.checkpoint import load_tokenizer, resolve_model_path
+    from grpo_cli.checkpoint import damaged_weights, load_tokenizer, resolve_model_path
 
     if cfg.trainer.device.startswith("cuda"):
         import torch
@@ -59,6 +59,8 @@ def preflight(cfg: TrainConfig) -> Task:
         model_path = resolve_model_path(cfg.model.name_or_path)
     except FileNotFoundError as e:
         raise UsageError(f"model.name_or_path: {e}") from None
+    if damage := damaged_weights(model_path):
+        raise UsageError(f"model.name_or_path: {damage}")
     from transformers import AutoConfig
 
     from grpo_cli import grpo
@@ -113,11 +115,13 @@ class Start:
 
 def resume_or_start(cfg: TrainConfig, run_dir: Path, model_path: str) -> Start:
     """The start point; a resume reads its checkpoint (the CLI resolved resume=DIR|auto to run_dir)."""
-    from grpo_cli.checkpoint import load_trainer_state, read_info, step_checkpoints
+    from grpo_cli.checkpoint import damaged_weights, load_trainer_state, read_info, step_checkpoints
 
     if not cfg.resume:
         return Start(0, model_path, None)
     path = str(step_checkpoints(run_dir)[-1])
+    if damage := damaged_weights(path):
+        raise UsageError(f"resume: {damage}")
     info = read_info(Path(path))
     check_same_run(info["config"], dataclasses.asdict(cfg))
     if info["step"] >= cfg.trainer.steps:

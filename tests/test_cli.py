@@ -157,7 +157,7 @@ def test_run_dirs_are_unique_and_hold_config_overrides_and_log(tmp_path):
     broken = tmp_path / "broken_model"  # passes the path checks, then fails inside transformers: a real crash
     broken.mkdir()
     (broken / "config.json").write_text("{ not json")
-    (broken / "model.safetensors").write_bytes(b"")
+    (broken / "model.safetensors").write_bytes((2).to_bytes(8, "little") + b"{}")  # a whole, empty safetensors
     out_dir = tmp_path / "runs"
     args = ["train", "recipe=bike_pricing", f"output_dir={out_dir}", f"model.name_or_path={broken}"]
     procs = [subprocess.Popen([sys.executable, "-m", "grpo_cli", *args], cwd=REPO, stdout=subprocess.PIPE,

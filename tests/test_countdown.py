@@ -94,7 +94,7 @@ def test_countdown_recipe_trains_on_its_shipped_model(tmp_path):
     (run_dir,) = (out_dir / "countdown").iterdir()
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in metrics if "reward/countdown" in m]
-    assert [m["step"] for m in steps] == [0, 1]
+    assert [m["step"] for m in steps] == [1, 2]
     assert all(m["reward/failures"] == 0 for m in steps)
     assert sum(m["reward/countdown_valid"] for m in steps) > 1.0  # the shipped model writes valid expressions
     assert all(m["push_check/max_abs_diff"] < 1e-3 for m in steps if "push_check/max_abs_diff" in m)

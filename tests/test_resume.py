@@ -184,15 +184,15 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
         (["model.max_context_tokens=40"], "exceeds the model's context of 40 tokens"),
         (["model.name_or_path=/nonexistent/ckpt"], "model.name_or_path: model '/nonexistent/ckpt' does not exist"),
         (["rewards=[{name:test_rewards_mod:nope}]"], "nope"),
-        (["rewards=[{name:test_rewards_mod:boom}]", "rollout.engine=hf"], "failed on 8 of 8 samples at step 0"),
+        (["rewards=[{name:test_rewards_mod:boom}]", "rollout.engine=hf"], "failed on 8 of 8 samples at step 1"),
         (["rewards=[{name:test_rewards_mod:too_few}]", "rollout.engine=hf"], "returned 1 values for 4 completions"),
         (["rewards=[{name:test_rewards_mod:nan_always}]", "rollout.engine=hf"], "not a finite number"),
         # issue 18: a reward that hangs is killed after timeout_s and stops the run in bounded time;
         # one that returns 3 values for a group of 4 names the function and the samples
         (["rewards=[{name:test_rewards_mod:sleeps,timeout_s:1}]", "rollout.engine=hf"],
-         "'test_rewards_mod:sleeps' failed on 8 of 8 samples at step 0: samples 4-7: timed out after 1 s"),
+         "'test_rewards_mod:sleeps' failed on 8 of 8 samples at step 1: samples 4-7: timed out after 1 s"),
         (["rewards=[{name:test_rewards_mod:three_values}]", "rollout.engine=hf"],
-         "'test_rewards_mod:three_values' failed on 8 of 8 samples at step 0: samples 4-7: returned 3 values for 4"),
+         "'test_rewards_mod:three_values' failed on 8 of 8 samples at step 1: samples 4-7: returned 3 values for 4"),
         (["rewards=[{name:test_rewards_mod:huge}]", "trainer.advantage=group_mean", "rollout.engine=hf",
           "trainer.steps=4"], "steps in a row had a non-finite loss or gradient"),
     ],
@@ -236,7 +236,27 @@ def test_a_reward_that_crashes_on_some_samples_drops_them_from_the_loss(workdir)
               "rewards=[{name:test_rewards_mod:digit_share},{name:test_rewards_mod:raises_sometimes,on_failure:drop}]")
     assert out.returncode == 0, out.stderr[-2000:]
     metrics = [json.loads(line) for line in (only_run_dir(workdir, "drop") / "metrics.jsonl").read_text().splitlines()]
+    metrics = [m for m in metrics if "reward/dropped" in m]  # the training steps (step 0 is the baseline eval)
+    assert len(metrics) == 2
     for m in metrics:
         fails = m["reward_failures/test_rewards_mod:raises_sometimes"]
         assert m["reward/dropped"] == fails  # every sample it failed on left the loss, no other one did
     assert 0 < sum(m["reward/dropped"] for m in metrics) < 16
+
+
+def test_a_truncated_model_file_is_named_in_one_line(workdir, tmp_path):
+    import shutil
+
+    damaged = tmp_path / "damaged"
+    shutil.copytree(workdir / "tiny", damaged)
+    weights = damaged / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # an interrupted copy
+    out = run(workdir, "damaged", "trainer.steps=2", f"model.name_or_path={damaged}")
+    assert out.returncode == 2, out.stderr[-2000:]
+    line = out.stderr.strip().splitlines()[-1]
+    assert "Traceback" not in out.stderr
+    assert f"'{weights}' is corrupted or truncated" in line and "cut short" in line, line
+    evaluated = subprocess.run([sys.executable, "-m", "grpo_cli", "eval", f"checkpoint={damaged}",
+                                "recipe=bike_pricing"], cwd=workdir, capture_output=True, text=True, timeout=300)
+    assert evaluated.returncode == 2, evaluated.stderr[-2000:]
+    assert f"'{weights}' is corrupted or truncated" in evaluated.stderr.strip().splitlines()[-1]

@@ -71,7 +71,7 @@ def test_gsm8k_recipe_runs_on_local_rows_with_math_verify_and_a_chat_template(tm
     assert result.returncode == 0, result.stderr[-3000:]
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in metrics if "reward/math_equal" in m]
-    assert [m["step"] for m in steps] == [0, 1]
+    assert [m["step"] for m in steps] == [1, 2]
     assert all(m["reward/failures"] == 0 and "reward/think_format" in m for m in steps)
     assert any("eval/pass@1" in m for m in metrics)
     assert (run_dir / "checkpoints" / "final" / "model.safetensors").is_file()
@@ -95,7 +95,7 @@ def test_math_recipe_runs_on_local_rows_with_boxed_answers(tmp_path, tiny_chat_m
         "data.num_heldout=4", "eval.num_problems=4", "rollout.engine=hf")
     assert result.returncode == 0, result.stderr[-3000:]
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in metrics if "reward/math_equal" in m] == [0, 1]
+    assert [m["step"] for m in metrics if "reward/math_equal" in m] == [1, 2]
     assert all(m.get("reward/failures", 0) == 0 for m in metrics)
 
 

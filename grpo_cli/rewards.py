@@ -90,9 +90,14 @@ def overlong(completions: list, completion_tokens: list | None = None, max_new_t
     return [0.0 if n <= safe else -1.0 if n > max_new_tokens else (safe - n) / buffer for n in completion_tokens]
 
 
+def _as_written(raw: str) -> str:
+    """A stated answer with its whitespace collapsed and markdown or a full stop around it removed."""
+    return " ".join(raw.split()).strip("*_ .")
+
+
 def _one_stated(completion: Any, answer_format: str, prompt: Any) -> str | None:
     """The completion's final answer as written (stripped), when every stated answer is the same text."""
-    stated = {" ".join(raw.split()).strip("*_ .") for raw in final_answers(completion, answer_format, prompt)}
+    stated = {_as_written(raw) for raw in final_answers(completion, answer_format, prompt)}
     return stated.pop() if len(stated) == 1 and "" not in stated else None
 
 
@@ -147,8 +152,9 @@ def single_answer(completions: list, answer_format: str = "answer_line", prompt:
                   **kwargs: Any) -> list[float]:
     """1.0 when the completion states exactly one final answer (any content: LaTeX, words), else 0.0:
     the format reward for answers that are not plain numbers (`format` wants a clean number)."""
-    return [1.0 if len(final_answers(c, answer_format, q)) == 1 and _one_stated(c, answer_format, q) else 0.0
-            for c, q in zip(completions, _prompts(prompt, len(completions)), strict=True)]
+    stated = [final_answers(c, answer_format, q) for c, q in zip(completions, _prompts(prompt, len(completions)),
+                                                                  strict=True)]
+    return [1.0 if len(raw) == 1 and _as_written(raw[0]) else 0.0 for raw in stated]
 
 
 # <think>reasoning</think> then <answer>X</answer> and nothing else: the layout DeepSeek-R1 trained with.
@@ -419,28 +425,28 @@ def _as_score(value: Any) -> float | None:
 
 
 def _score_chunk(reward: WeightedReward, completions: list, per_sample: dict[str, list], fixed: dict[str, Any],
-                 first: int, failed: list[bool], reasons: list[str]) -> list[float]:
+                 first: int, failed: list[bool], reasons: list[str]) -> tuple[list[float], str]:
     """Scores of one call's completions (samples first..first+n-1 of the batch); failures marked in `failed`.
     `per_sample` holds the keyword arguments with one value per completion (the columns, the prompts,
     the token counts), `fixed` the others. A call that raises is retried one sample at a time, so only
-    the samples it fails on are lost."""
+    the samples it fails on are lost. Also returns the call's outcome tag ("ok", "raised", "timeout", ...)."""
     n = len(completions)
     tag, out = _invoke(reward, completions, {**per_sample, **fixed})
     if tag == "raised" and n > 1:
         scores = []
         for j in range(n):
             one = {k: v[j : j + 1] for k, v in per_sample.items()}
-            scores += _score_chunk(reward, completions[j : j + 1], one, fixed, first + j, failed, reasons)
-        return scores
+            scores += _score_chunk(reward, completions[j : j + 1], one, fixed, first + j, failed, reasons)[0]
+        return scores, tag
     if tag != "ok":
         where = f"sample {first}" if n == 1 else f"samples {first}-{first + n - 1}"
         reasons.append(f"{where}: {out}")
         failed[first : first + n] = [True] * n
-        return [0.0] * n
+        return [0.0] * n, tag
     if len(out) != n:
         reasons.append(f"samples {first}-{first + n - 1}: returned {len(out)} values for {n} completions")
         failed[first : first + n] = [True] * n
-        return [0.0] * n
+        return [0.0] * n, tag
     scores = []
     for j, value in enumerate(out):
         x = _as_score(value)
@@ -448,7 +454,7 @@ def _score_chunk(reward: WeightedReward, completions: list, per_sample: dict[str
             reasons.append(f"sample {first + j}: returned {value!r:.40}, not a finite number")
             failed[first + j] = True
         scores.append(0.0 if x is None else x)
-    return scores
+    return scores, tag
 
 
 def _call_reward(reward: WeightedReward, completions: list, per_sample: dict[str, list], fixed: dict[str, Any],
@@ -468,10 +474,9 @@ def _call_reward(reward: WeightedReward, completions: list, per_sample: dict[str
             scores += [0.0] * len(completions[chunk])
             continue
         group = {k: v[chunk] for k, v in per_sample.items()}
-        before = len(reasons)
-        scores += _score_chunk(reward, completions[chunk], group, fixed, first, failed, reasons)
-        timed_out = len(reasons) > before and "timed out after" in reasons[-1]
-        timeouts_in_a_row = timeouts_in_a_row + 1 if timed_out else 0
+        chunk_scores, tag = _score_chunk(reward, completions[chunk], group, fixed, first, failed, reasons)
+        scores += chunk_scores
+        timeouts_in_a_row = timeouts_in_a_row + 1 if tag == "timeout" else 0
     if any(failed):
         failures.record(reward.name, sum(failed), reasons[-1] if reasons else "skipped after most samples failed")
     return scores, failed

@@ -5,8 +5,10 @@ step each. In a minibatch each prompt is one row of `prompt_ids` `[p, Tp]` (it r
 the model once); each completion is a row of a micro-batch `[b, Tc]`, with the row of its
 prompt, its advantage and the engine's sampling logprobs. Padded once, on the run's device,
 and used by the reference pass and every update alike. Each minibatch's loss normalizer is
-computed here, once, and summed over ranks, so every micro-batch (on every rank) divides by
-the same number and the micro-batch gradients add up to the minibatch's.
+computed here, once, from the whole minibatch (every rank holds the step's groups), so every
+micro-batch on every rank divides by the same number and the gradients of all micro-batches of
+all ranks add up to the minibatch's. At world size > 1 each rank trains on its share of each
+minibatch's groups (`rank_share`).
 """
 
 from __future__ import annotations
@@ -82,7 +84,7 @@ class Minibatch:
     prompt_ids: Any  # [p, Tp] this minibatch's prompts, right-padded
     prompt_mask: Any  # [p, Tp]
     micro_batches: list[MicroBatch]  # its forward/backward passes
-    normalizer: float  # its loss normalizer (grpo.NORMALIZERS over all its completions), summed over ranks
+    normalizer: float  # its loss normalizer (grpo.NORMALIZERS over all its completions, on every rank)
 
 
 @dataclass
@@ -139,27 +141,55 @@ def _split(n: int, parts: int) -> list[range]:
     return [range(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
 
 
+def rank_share(slots: range, rank: int, world_size: int) -> range:
+    """Rank `rank`'s contiguous part of a minibatch's groups (whole groups, so each prompt runs on one rank)."""
+    parts = [range(slots.start + r.start, slots.start + r.stop) for r in _split(len(slots), world_size)]
+    parts += [range(slots.stop, slots.stop)] * (world_size - len(parts))  # fewer groups than ranks: some idle
+    return parts[rank]
+
+
+def _passes(batch: TrainBatch, rows: list[int], cfg: TrainerConfig) -> list[list[int]]:
+    return make_micro_batches([len(batch.completions[j]) for j in rows], cfg.micro_batch_size, cfg.micro_batch_tokens)
+
+
 def _minibatch(batch: TrainBatch, rows: list[int], slots: range, seq_adv: list[float],
                seq_sampling_lp: list[list[float]], pad_id: int, cfg: TrainerConfig, dist: Any,
                loss_params: Any) -> Minibatch:
-    """One optimizer step's completions `rows` (of prompts `slots`): prompts padded once, micro-batches."""
+    """One optimizer step's completions `rows` (of prompts `slots`): this rank's share of its groups,
+    their prompts padded once, micro-batches. Every rank holds the whole step's groups, so the
+    normalizer is the whole minibatch's and every rank knows how many passes the others run: a
+    rank with fewer pads with empty passes (mask 0), so all run the same forward/backward count
+    and FSDP's collectives pair up."""
     import torch
 
     from grpo_cli import grpo
 
-    prompt_ids, prompt_mask = pad_rows([batch.prompt_tokens[s] for s in slots], pad_id, dist.device)  # [p, Tp] x 2
+    def rows_of(share: range) -> list[int]:
+        return [j for j in rows if batch.group_of[j][0] in share]
+
+    shares = [rank_share(slots, r, dist.world_size) for r in range(dist.world_size)]
+    mine = shares[dist.rank]
+    my_rows = rows_of(mine)
+    num_passes = max(len(_passes(batch, rows_of(share), cfg)) for share in shares)
+    prompts = [batch.prompt_tokens[s] for s in mine] or [[pad_id]]  # an idle rank still runs the prompt pass
+    prompt_ids, prompt_mask = pad_rows(prompts, pad_id, dist.device)  # [p, Tp] x 2
     passes = []
-    for local in make_micro_batches([len(batch.completions[j]) for j in rows], cfg.micro_batch_size,
-                                    cfg.micro_batch_tokens):
-        mb_rows = [rows[i] for i in local]
+    for local in _passes(batch, my_rows, cfg):
+        mb_rows = [my_rows[i] for i in local]
         ids, mask = pad_rows([batch.completions[j] for j in mb_rows], pad_id, dist.device)  # [b, Tc] x 2
         passes.append(MicroBatch(
             rows=mb_rows,
-            prompt_index=torch.tensor([batch.group_of[j][0] - slots.start for j in mb_rows], device=dist.device),
+            prompt_index=torch.tensor([batch.group_of[j][0] - mine.start for j in mb_rows], device=dist.device),
             ids=ids, mask=mask,
             advantages=torch.tensor([seq_adv[j] for j in mb_rows], device=dist.device)[:, None],  # [b, 1]
             sampling_logprobs=pad_values([seq_sampling_lp[j] for j in mb_rows], mask),  # [b, Tc]
         ))
-    local_norm = grpo.NORMALIZERS[cfg.loss](pad_rows([batch.completions[j] for j in rows], pad_id, dist.device)[1],
-                                            loss_params)
-    return Minibatch(prompt_ids, prompt_mask, passes, dist.sum([local_norm])[0])
+    while len(passes) < num_passes:  # an empty pass: one pad token, mask 0, so its loss and gradient are 0
+        ids, _ = pad_rows([[pad_id]], pad_id, dist.device)  # [1, 1]
+        mask = torch.zeros_like(ids, dtype=torch.float32)  # [1, 1]
+        passes.append(MicroBatch(rows=[], prompt_index=torch.zeros(1, dtype=torch.long, device=dist.device),
+                                 ids=ids, mask=mask, advantages=torch.zeros(1, 1, device=dist.device),
+                                 sampling_logprobs=torch.zeros_like(mask)))
+    normalizer = grpo.NORMALIZERS[cfg.loss](pad_rows([batch.completions[j] for j in rows], pad_id, dist.device)[1],
+                                            loss_params)  # the whole minibatch's, on every rank alike
+    return Minibatch(prompt_ids, prompt_mask, passes, normalizer)

@@ -9,9 +9,23 @@ real all-reduces and broadcasts over it.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
+
+COLLECTIVE_SECONDS = [0.0]  # time this process has spent in Dist's collectives (the `dist/collective_s` metric)
+
+
+@contextlib.contextmanager
+def _timed() -> Iterator[None]:
+    tick = time.perf_counter()
+    try:
+        yield
+    finally:
+        COLLECTIVE_SECONDS[0] += time.perf_counter() - tick
 
 
 @dataclass(frozen=True)
@@ -42,8 +56,10 @@ class Dist:
             return cls(device=chosen)
         import torch.distributed as torch_dist
 
-        if not torch_dist.is_initialized():
-            torch_dist.init_process_group("nccl" if chosen.type == "cuda" else "gloo")
+        if not torch_dist.is_initialized():  # the CLI joins the job first (launch.join_job); scripts land here
+            from grpo_cli.launch import join_job
+
+            join_job(600)
         return cls(rank=torch_dist.get_rank(), world_size=world_size, local_rank=local_rank, device=chosen)
 
     def autocast(self, dtype: str) -> Any:
@@ -79,8 +95,32 @@ class Dist:
         import torch.distributed as torch_dist
 
         buffer = torch.tensor(values, dtype=torch.float64)  # [n]
-        torch_dist.all_reduce(buffer, op=torch_dist.ReduceOp.SUM)
+        with _timed():
+            torch_dist.all_reduce(buffer, op=torch_dist.ReduceOp.SUM)
         return buffer.tolist()
+
+    def any(self, flag: bool) -> bool:
+        """True if `flag` is true on some rank (e.g. a Ctrl-C that reached one rank stops them all)."""
+        if self.world_size == 1:
+            return flag
+        return self.sum([1.0 if flag else 0.0])[0] > 0.0
+
+    def share(self, count: int) -> range:
+        """This rank's contiguous part of `count` items (the first ranks take one more when it does not divide)."""
+        size, extra = divmod(count, self.world_size)
+        start = self.rank * size + min(self.rank, extra)
+        return range(start, start + size + (self.rank < extra))
+
+    def gather(self, obj: Any) -> list[Any]:
+        """Every rank's `obj` (picklable), in rank order, on every rank."""
+        if self.world_size == 1:
+            return [obj]
+        import torch.distributed as torch_dist
+
+        out: list[Any] = [None] * self.world_size
+        with _timed():
+            torch_dist.all_gather_object(out, obj)
+        return out
 
     def all(self, flag: bool) -> bool:
         """True only if `flag` is true on every rank: one decision (e.g. skip a non-finite step) for all."""
@@ -95,7 +135,8 @@ class Dist:
         import torch.distributed as torch_dist
 
         box = [obj]
-        torch_dist.broadcast_object_list(box, src=0)
+        with _timed():
+            torch_dist.broadcast_object_list(box, src=0)
         return box[0]
 
     def barrier(self) -> None:

@@ -46,13 +46,15 @@ def score_logprobs(model: Any, batch: TrainBatch, chunk_tokens: int, temperature
     import torch
 
     from grpo_cli import grpo
+    from grpo_cli.shard import reshard_all, run_pass
 
     out = []
     with torch.no_grad(), (autocast or contextlib.nullcontext)():
         for part in batch.minibatches:
-            prompts = grpo.prompt_states(model, part.prompt_ids, part.prompt_mask)  # each prompt once
-            out += [grpo.completion_logprobs(model, prompts, mb.prompt_index, mb.ids, mb.mask, chunk_tokens,
-                                             temperature=temperature) for mb in part.micro_batches]  # [b, Tc] each
+            prompts = run_pass(model, grpo.prompt_states, part.prompt_ids, part.prompt_mask)  # each prompt once
+            out += [run_pass(model, grpo.completion_logprobs, prompts, mb.prompt_index, mb.ids, mb.mask, chunk_tokens,
+                             temperature=temperature) for mb in part.micro_batches]  # [b, Tc] each
+            reshard_all(model)  # FSDP (world size > 1): back to this rank's shards
     return out
 
 
@@ -67,10 +69,10 @@ def score_batch(policy: Any, reference: Any, batch: TrainBatch, groups: Any, cfg
     ref = score_logprobs(reference, batch, chunk, temperature, autocast)
     for mb, old_lp, ref_lp in zip(batch.micro_batches, old, ref):
         mb.old_logprobs, mb.ref_logprobs = old_lp, ref_lp  # [b, Tc] each (or None)
-    return kl_into_advantages(batch, groups, cfg) if cfg.trainer.kl_in_reward and batch.micro_batches else {}
+    return kl_into_advantages(batch, groups, cfg, dist) if cfg.trainer.kl_in_reward and batch.micro_batches else {}
 
 
-def kl_into_advantages(batch: TrainBatch, groups: Any, cfg: TrainConfig) -> dict[str, float]:
+def kl_into_advantages(batch: TrainBatch, groups: Any, cfg: TrainConfig, dist: Any) -> dict[str, float]:
     """`trainer.kl_in_reward`: r_i <- r_i - kl_coef * sum_t KL_it (the policy before the update vs the
     reference, `trainer.kl_estimator`), then the advantages of the kept groups again. A completion
     left out of the loss (mask_truncated) keeps its reward. Returns the mean penalty."""
@@ -85,6 +87,8 @@ def kl_into_advantages(batch: TrainBatch, groups: Any, cfg: TrainConfig) -> dict
         per_seq = (kl * mb.mask).sum(-1).cpu()  # [b]
         for i, j in enumerate(mb.rows):
             penalty[batch.group_of[j]] = per_seq[i]
+    if dist.world_size > 1:  # each rank filled in its share of the groups: the sum is every penalty
+        penalty = torch.tensor(dist.sum(penalty.flatten().tolist()), dtype=penalty.dtype).view(penalty.shape)
     reward = groups.reward[kept].cpu() - cfg.trainer.kl_coef * penalty  # [P', G]
     advantages = grpo.ADVANTAGES[cfg.trainer.advantage](reward)  # [P', G]
     for mb in batch.micro_batches:
@@ -109,18 +113,19 @@ def minibatch_step(policy: Any, optimizer: Any, scheduler: Any, part: Any, param
     import torch
 
     from grpo_cli import grpo
+    from grpo_cli.shard import grad_norm_value, reshard_all, run_pass
 
     t_cfg = cfg.trainer
     loss_fn = grpo.LOSSES[t_cfg.loss]
     optimizer.zero_grad(set_to_none=True)
     loss_total, mismatch_sum, mismatch_tokens = 0.0, 0.0, 0
     with dist.autocast(cfg.model.dtype):  # forward passes in the compute dtype; logprobs and loss in float32
-        prompts = grpo.prompt_states(policy, part.prompt_ids, part.prompt_mask)  # with autograd: backward at the end
+        prompts = run_pass(policy, grpo.prompt_states, part.prompt_ids, part.prompt_mask)  # autograd: backward at the end
     leaves = grpo.prompt_leaves(prompts)  # collect the prompts' gradient over the micro-batches
     for mb in part.micro_batches:
         with dist.autocast(cfg.model.dtype):
-            logps, entropy = grpo.completion_logprobs(
-                policy, leaves, mb.prompt_index, mb.ids, mb.mask, t_cfg.logprob_chunk_tokens,
+            logps, entropy = run_pass(
+                policy, grpo.completion_logprobs, leaves, mb.prompt_index, mb.ids, mb.mask, t_cfg.logprob_chunk_tokens,
                 temperature=cfg.rollout.temperature, with_entropy=True,
                 entropy_grad=params.entropy_coef > 0)  # [b, Tc] x 2
         inputs = grpo.LossInputs(logps, mb.mask, mb.advantages, old_logprobs=mb.old_logprobs,
@@ -134,7 +139,8 @@ def minibatch_step(policy: Any, optimizer: Any, scheduler: Any, part: Any, param
         mismatch_sum += float(((logps.detach() - mb.sampling_logprobs).abs() * mb.mask).sum())
         mismatch_tokens += int(mb.mask.sum())
     grpo.prompt_backward(prompts, leaves)  # the prompts' share of the gradient
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(policy.parameters(), t_cfg.max_grad_norm))
+    reshard_all(policy)  # FSDP (world size > 1): sharded parameters and gradients for the clip and the step
+    grad_norm = grad_norm_value(torch.nn.utils.clip_grad_norm_(policy.parameters(), t_cfg.max_grad_norm))
     finite = dist.all(math.isfinite(grad_norm) and math.isfinite(loss_total))
     if finite:  # skip a non-finite update: one bad batch must not poison the weights
         optimizer.step()
@@ -168,6 +174,11 @@ def update(policy: Any, optimizer: Any, scheduler: Any, batch: TrainBatch, param
         optimizer.zero_grad(set_to_none=True)
         for _ in range(cfg.trainer.ppo_epochs * cfg.trainer.minibatches):
             scheduler.step()
+    if dist.world_size > 1:  # this rank's share of each sum -> the step's (every rank ran the same passes)
+        keys = sorted(sums)
+        totals = dist.sum([*losses, mismatch_sum, mismatch_tokens, *(sums[k] for k in keys)])
+        losses, (mismatch_sum, mismatch_tokens) = totals[:len(losses)], totals[len(losses):len(losses) + 2]
+        sums = dict(zip(keys, totals[len(losses) + 2:]))
     tokens = sums.pop("tokens", 0.0)
     means = {key: value / max(tokens, 1.0) for key, value in sums.items()}
     return {"loss": sum(losses) / len(losses) if losses else 0.0, **means,

@@ -1,0 +1,66 @@
+"""One update on a fixed synthetic batch, at whatever world size torchrun gives (or 1 without it);
+rank 0 saves the full weights and the stats to argv[1]. argv[2] is trainer.micro_batch_size.
+
+Used by tests/test_distributed.py: 1 rank, 2 ranks and different micro-batch caps must give the
+same weights (the loss and gradient do not depend on how the batch is split)."""
+
+import sys
+
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from grpo_cli.batch import TrainBatch
+from grpo_cli.collect import Groups
+from grpo_cli.config import RewardSpec, RolloutConfig, TrainConfig, TrainerConfig
+from grpo_cli.dist import Dist
+from grpo_cli.rewards import RewardFailures, Scores
+from grpo_cli.rollout import Rollouts
+from grpo_cli.shard import full_tensors, shard_model
+from grpo_cli.update import loss_params, score_batch, update
+
+
+def tiny(seed):
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=True)
+    return Qwen2ForCausalLM(config)
+
+
+def main(out_path, micro_batch_size, loss):
+    torch.set_num_threads(1)
+    dist = Dist.init("cpu")
+    g = torch.Generator().manual_seed(1)
+    P, G = 5, 4
+    prompt_ids = [torch.randint(1, 40, (3 + p,), generator=g).tolist() for p in range(P)]
+    completion_ids = [[torch.randint(1, 40, (2 + (p + i) % 5,), generator=g).tolist() for i in range(G)]
+                      for p in range(P)]
+    advantages = torch.randn(P, G, generator=g)
+    keep = torch.tensor([True, True, False, True, True])  # a dropped group: the ranks' shares are uneven
+    rollouts = Rollouts(prompt_ids, completion_ids, [[[-0.5] * len(c) for c in grp] for grp in completion_ids],
+                        [["x"] * G for _ in range(P)], [[False] * G for _ in range(P)])
+    none = torch.zeros(P, dtype=torch.bool)
+    groups = Groups([{}] * P, prompt_ids, rollouts, Scores([0.0] * (P * G), {"correct": [0.0] * (P * G)}),
+                    RewardFailures(), torch.zeros(P, G), advantages, none, none, keep,
+                    dropped=torch.zeros(P, G, dtype=torch.bool))
+    cfg = TrainConfig(task="t", rewards=[RewardSpec(name="correct")], rollout=RolloutConfig(prompts_per_step=P),
+                      trainer=TrainerConfig(lr=0.5, kl_coef=0.1, ppo_epochs=2, minibatches=2, loss=loss,
+                                            micro_batch_size=micro_batch_size, clip_eps=0.2))
+    policy = shard_model(tiny(0).train(), dist)
+    reference = shard_model(tiny(1).eval().requires_grad_(False), dist)
+    # Plain SGD: Adam divides by the gradient's own size, so float noise in a near-zero gradient
+    # would become a full lr step and hide whether two splits agree.
+    optimizer = torch.optim.SGD(policy.parameters(), lr=0.5)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: 1.0)
+    params = loss_params(cfg)
+    batch = TrainBatch.build(groups, 0, cfg.trainer, dist, params)
+    score_batch(policy, reference, batch, groups, cfg, dist)
+    stats = update(policy, optimizer, scheduler, batch, params, cfg, dist)
+    weights = {name: t.clone() for name, t in full_tensors(policy)}
+    if dist.is_main:
+        torch.save({"weights": weights, "stats": stats, "passes": len(batch.micro_batches)}, out_path)
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3] if len(sys.argv) > 3 else "grpo")

@@ -124,11 +124,16 @@ def score_groups(rows: list[dict[str, Any]], prompt_ids: list[list[int]], rollou
     P, G = len(rows), cfg.rollout.group_size
     completions = [text for group in rollouts.texts for text in group]  # [P*G]
     columns = {k: [row[k] for row in rows for _ in range(G)] for k in rows[0]}  # each [P*G]
+    tokens = [len(c) for group in rollouts.completion_ids for c in group]  # [P*G]
+    mine = dist.share(P)  # each rank scores its share of the groups; every rank then holds all the scores
+    lo, hi = mine.start * G, mine.stop * G
     failures = rewards.RewardFailures()
-    scored = rewards.score(reward_fns, completions, columns, cfg.data.answer_format, failures,
-                           completion_tokens=[len(c) for group in rollouts.completion_ids for c in group],
-                           max_new_tokens=cfg.rollout.max_new_tokens, prompts=columns[cfg.data.prompt_column],
-                           group_size=G)
+    scored = rewards.score(reward_fns, completions[lo:hi], {k: v[lo:hi] for k, v in columns.items()},
+                           cfg.data.answer_format, failures, completion_tokens=tokens[lo:hi],
+                           max_new_tokens=cfg.rollout.max_new_tokens,
+                           prompts=columns[cfg.data.prompt_column][lo:hi], group_size=G)
+    if dist.world_size > 1:
+        scored, failures = merge_scores(dist.gather((scored, failures)))
     for name, count in failures.counts.items():
         if count > len(completions) / 2:  # most samples: the reward itself is broken, not the completions
             raise UsageError(f"reward function '{name}' failed on {count} of {len(completions)} samples at step "
@@ -147,6 +152,19 @@ def score_groups(rows: list[dict[str, Any]], prompt_ids: list[list[int]], rollou
         keep = ~(all_correct | all_wrong)  # [P]
     return Groups(rows, prompt_ids, rollouts, scored, failures, reward, advantages, all_correct, all_wrong, keep,
                   dropped=dropped)
+
+
+def merge_scores(parts: list[tuple[Scores, RewardFailures]]) -> tuple[Scores, RewardFailures]:
+    """The ranks' (scores, failures) of consecutive shares of a step's samples as one, in rank order."""
+    names = list(parts[0][0].per_function)
+    scored = Scores(sum((s.total for s, _ in parts), []), {n: sum((s.per_function[n] for s, _ in parts), [])
+                                                           for n in names},
+                    sum((list(s.dropped or [False] * len(s.total)) for s, _ in parts), []))
+    failures = RewardFailures()
+    for _, f in parts:
+        failures.counts.update(f.counts)
+        failures.last_error.update(f.last_error)
+    return scored, failures
 
 
 def collect_groups(engine: Any, cursor: PromptCursor, train_rows: list[dict[str, Any]], encode: Any,

@@ -89,7 +89,7 @@ class VLLMEngine:
     """An in-process vLLM engine sampling groups with n=G."""
 
     def __init__(self, model_path: str, model: ModelConfig, rollout: RolloutConfig, seed: int,
-                 show_progress: bool = False, sleep: bool = False) -> None:
+                 show_progress: bool = False, sleep: bool = False, world_size: int = 1) -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: weight push by reference
         import torch
         from vllm import LLM
@@ -110,6 +110,9 @@ class VLLMEngine:
             kwargs["kv_cache_memory_bytes"] = int(rollout.kv_cache_gib * 2**30)
             kwargs["max_num_batched_tokens"] = CPU_MAX_BATCHED_TOKENS
             kwargs["max_num_seqs"] = CPU_MAX_SEQS
+        if world_size > 1:  # one engine inside each torchrun rank, on the job's process group (shared/DESIGN.md)
+            kwargs["distributed_executor_backend"] = "external_launcher"
+            kwargs["tensor_parallel_size"] = 1
         self.llm = LLM(
             model=model_path,
             dtype=model.dtype,
@@ -168,10 +171,9 @@ class VLLMEngine:
         """
         import torch
 
-        with torch.no_grad():
-            weights = [(name, tensor.detach()) for name, tensor in named_tensors]
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights),
-                                                          "is_checkpoint_format": True})
+        with torch.no_grad():  # lazily: a sharded policy gathers each tensor as the reload reaches it
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors),
+                                                              "is_checkpoint_format": True})
         if not self.sleeping:  # a sleeping KV cache is reset when it wakes (wake_kv_cache)
             self.llm.reset_prefix_cache()
 
@@ -227,15 +229,18 @@ class HFEngine:
 
         eos = self.tokenizer.eos_token_id
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos
+        from grpo_cli.shard import gather_all, reshard_all, run_pass
+
         completion_ids, logprobs, texts, truncated = [], [], [], []
         was_training = self.policy.training
         self.policy.eval()
         device = next(self.policy.parameters()).device
+        gather_all(self.policy)  # sharded (FSDP): gathered once, so ranks with different work need no collective
         for ids, seed in zip(prompt_ids, seeds):
             torch.manual_seed(seed)
             input_ids = torch.tensor([ids] * group_size, device=device)  # [G, T_prompt]
             with torch.no_grad(), self.autocast():
-                out = self.policy.generate(
+                out = run_pass(self.policy, _generate,
                     input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=True,
                     temperature=temperature, top_p=top_p, top_k=0, max_new_tokens=max_new_tokens,
                     eos_token_id=eos, pad_token_id=pad, output_logits=True, return_dict_in_generate=True,
@@ -254,6 +259,7 @@ class HFEngine:
             logprobs.append(group_lp)
             texts.append(group_text)
             truncated.append(group_trunc)
+        reshard_all(self.policy)
         self.policy.train(was_training)
         return Rollouts(prompt_ids, completion_ids, logprobs, texts, truncated)
 
@@ -272,14 +278,66 @@ class HFEngine:
     def score(self, sequences: list[list[int]]) -> list[list[float]]:
         import torch
 
+        from grpo_cli.shard import gather_all, reshard_all, run_pass
+
         device = next(self.policy.parameters()).device
         out = []
+        gather_all(self.policy)
         with torch.no_grad(), self.autocast():
             for seq in sequences:
-                logits = self.policy(torch.tensor([seq], device=device)).logits[0, :-1].float()  # [T-1, V]
+                logits = run_pass(self.policy, _logits, torch.tensor([seq], device=device))[0, :-1].float()  # [T-1, V]
                 targets = torch.tensor(seq[1:], device=device)[:, None]  # [T-1, 1]
                 out.append(logits.log_softmax(-1).gather(-1, targets)[:, 0].tolist())
+        reshard_all(self.policy)
         return out
+
+
+def _generate(model: Any, **kwargs: Any) -> Any:
+    return model.generate(**kwargs)
+
+
+def _logits(model: Any, ids: Any) -> Any:
+    return model(ids).logits
+
+
+class ShardedEngine:
+    """A rank's engine inside a multi-process job: `generate` samples this rank's share of the prompts
+    (with their own seeds, so a prompt's samples do not depend on the world size) and returns every
+    rank's, gathered in prompt order. Pushes and the push check stay on this rank's engine."""
+
+    def __init__(self, engine: Any, dist: Any) -> None:
+        self.engine, self.dist = engine, dist
+        self.tokenizer = getattr(engine, "tokenizer", None)
+
+    def generate(self, prompt_ids: list[list[int]], group_size: int, temperature: float, top_p: float,
+                 max_new_tokens: int, seeds: list[int]) -> Rollouts:
+        mine = self.dist.share(len(prompt_ids))
+        part = self.engine.generate(prompt_ids[mine.start:mine.stop], group_size, temperature, top_p,
+                                    max_new_tokens, seeds[mine.start:mine.stop]) if len(mine) else \
+            Rollouts([], [], [], [], [])
+        if isinstance(self.engine, HFEngine) and not len(mine):
+            from grpo_cli.shard import gather_all, reshard_all
+
+            gather_all(self.engine.policy)  # pairs with the other ranks' gather in HFEngine.generate
+            reshard_all(self.engine.policy)
+        parts = self.dist.gather(part)
+        return Rollouts(*[sum((getattr(r, f) for r in parts), []) for f in
+                          ("prompt_ids", "completion_ids", "sampling_logprobs", "texts", "truncated")])
+
+    def push_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
+        self.engine.push_weights(named_tensors)
+
+    def score(self, sequences: list[list[int]]) -> list[list[float]]:
+        return self.engine.score(sequences)
+
+    def sleep(self) -> None:
+        self.engine.sleep()
+
+    def wake_weights(self) -> None:
+        self.engine.wake_weights()
+
+    def wake_kv_cache(self) -> None:
+        self.engine.wake_kv_cache()
 
 
 def sleep_wanted(rollout: RolloutConfig, trainer_device: Any) -> bool:
@@ -289,11 +347,14 @@ def sleep_wanted(rollout: RolloutConfig, trainer_device: Any) -> bool:
 
 def build_engine(name: str, model_path: str, model: ModelConfig, rollout: RolloutConfig, seed: int,
                  policy: Any, tokenizer: Any, show_progress: bool = False, trainer_device: Any = "cpu",
-                 autocast: Any = None) -> VLLMEngine | HFEngine:
-    """The engine named by `rollout.engine` (the table keeps the loop free of engine branches)."""
+                 autocast: Any = None, dist: Any = None) -> VLLMEngine | HFEngine | ShardedEngine:
+    """The engine named by `rollout.engine` (the table keeps the loop free of engine branches); at
+    world size > 1, this rank's engine inside a `ShardedEngine`."""
+    world = dist.world_size if dist is not None else 1
     builders = {
         "vllm": lambda: VLLMEngine(model_path, model, rollout, seed, show_progress,
-                                   sleep=sleep_wanted(rollout, trainer_device)),
+                                   sleep=sleep_wanted(rollout, trainer_device), world_size=world),
         "hf": lambda: HFEngine(policy, tokenizer, autocast),
     }
-    return builders[name]()
+    engine = builders[name]()
+    return ShardedEngine(engine, dist) if world > 1 else engine

@@ -17,8 +17,11 @@ PROBE_SEQUENCES = 4  # sequences re-scored by the engine in a push check
 
 
 def push(engine: Any, policy: Any, dist: Any) -> None:
-    """Every checkpoint-format tensor of the policy into this rank's engine."""
-    engine.push_weights(policy.state_dict().items())
+    """Every checkpoint-format tensor of the policy into this rank's engine; a sharded policy's are
+    gathered one at a time as the engine reads them (never the whole model in extra memory)."""
+    from grpo_cli.shard import full_tensors
+
+    engine.push_weights(full_tensors(policy))
 
 
 def release_engine(engine: Any, optimizer: Any, cfg: TrainConfig, dist: Any, timings: Any) -> None:
@@ -56,15 +59,17 @@ def push_check(engine: Any, policy: Any, sequences: list[list[int]], prompt_lens
     import torch
 
     from grpo_cli import grpo
+    from grpo_cli.shard import reshard_all, run_pass
 
     engine_lp = engine.score(sequences)
     worst = 0.0
     with torch.no_grad(), (autocast or contextlib.nullcontext)():
         for seq, n, elp in zip(sequences, prompt_lens, engine_lp):
             ids = torch.tensor([seq], device=device)  # [1, T]
-            trainer_lp = grpo.token_logprobs_reference(policy, ids, torch.ones_like(ids))[0]  # [T-1]
+            trainer_lp = run_pass(policy, grpo.token_logprobs_reference, ids, torch.ones_like(ids))[0]  # [T-1]
             diff = (trainer_lp[n - 1:] - torch.tensor(elp[n - 1:], device=device)).abs()  # [T-n] completion tokens
             worst = max(worst, float(diff.mean()) if diff.numel() else 0.0)
+    reshard_all(policy)
     if worst > tol:
         raise RuntimeError(f"the rollout engine holds stale weights: its logprobs differ from the trainer's by "
                            f"{worst:.2e} (> rollout.push_check_tol={tol:g}) after a weight push")
@@ -80,4 +85,4 @@ def maybe_push_check(engine: Any, policy: Any, batch: TrainBatch, step: int, cfg
     prompts = [batch.prompt_tokens[batch.prompt_index[j]] for j in rows]
     worst = push_check(engine, policy, [ids + batch.completions[j] for j, ids in zip(rows, prompts)],
                        [len(ids) for ids in prompts], cfg.push_check_tol, dist.device, lambda: dist.autocast(dtype))
-    return {"push_check/max_abs_diff": worst}
+    return {"push_check/max_abs_diff": max(dist.gather(worst))}  # every rank checked its own engine

@@ -94,66 +94,165 @@ def load_policy(path: str, dtype: str) -> Any:
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype), use_safetensors=True)
 
 
-TRAINER_STATE = "trainer_state.pt"  # optimizer, LR schedule, data order and RNG states (tensors and plain types)
+TRAINER_STATE = "trainer_state.pt"  # LR schedule, data order, RNG states, AdamW's groups (tensors and plain types)
+OPTIMIZER_DIR = "optimizer"  # AdamW's moments by parameter name, in torch.distributed.checkpoint's format
 STEP_PREFIX = "step_"  # periodic checkpoints are checkpoints/step_000010, ...
 
 
 def save_checkpoint(model: Any, tokenizer: Any, path: Path, info: dict[str, Any],
-                    trainer_state: dict[str, Any] | None = None) -> Path:
+                    trainer_state: dict[str, Any] | None = None, optimizer: Any = None, dist: Any = None) -> Path:
     """Write model (safetensors) + tokenizer + config to `path` atomically; returns `path`.
 
     The files go to `path.tmp-PID` first; the marker file is written last, then the
     directory is renamed into place. A crash mid-save leaves at most a `.tmp-*`
     directory that loaders ignore, and any older checkpoint untouched.
-    """
-    path = Path(path)
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    if trainer_state is not None:
-        import torch
 
-        torch.save(trainer_state, tmp / TRAINER_STATE)
-    with open(tmp / COMPLETE_MARKER, "w") as f:
-        json.dump(info, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-    if path.exists():
-        old = path.with_name(f"{path.name}.old-{os.getpid()}")
-        path.rename(old)
-        tmp.rename(path)
-        shutil.rmtree(old)
+    With `trainer_state`, `optimizer`'s moments go to OPTIMIZER_DIR with torch.distributed.checkpoint
+    (each rank writes its shards; a run resumes from them at any world size). At world size > 1
+    every rank calls this: the weights are gathered one tensor at a time and rank 0 writes them,
+    the Hugging Face files and the marker.
+    """
+    from grpo_cli.shard import full_tensors, unwrap
+
+    world, main = (dist.world_size, dist.is_main) if dist is not None else (1, True)
+    path = Path(path)
+    pid = dist.broadcast(os.getpid()) if world > 1 else os.getpid()  # one directory name for every rank
+    tmp = path.with_name(f"{path.name}.tmp-{pid}")
+    if main:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    if world > 1:
+        dist.barrier()
+        tied = tied_duplicates(unwrap(model))  # lm_head.weight when tied: written once, as save_pretrained does
+        weights = {name: tensor.cpu() for name, tensor in full_tensors(model) if main and name not in tied}
+        if main:
+            unwrap(model).save_pretrained(tmp, state_dict=weights, safe_serialization=True)
+        del weights
     else:
-        tmp.rename(path)
+        model.save_pretrained(tmp, safe_serialization=True)
+    if trainer_state is not None and optimizer is not None:
+        save_optimizer(optimizer, model, tmp / OPTIMIZER_DIR)
+    if main:
+        tokenizer.save_pretrained(tmp)
+        if trainer_state is not None:
+            import torch
+
+            torch.save(trainer_state, tmp / TRAINER_STATE)
+        with open(tmp / COMPLETE_MARKER, "w") as f:
+            json.dump(info, f, indent=2)
+            f.flush()
+            os.fsync(f.fileno())
+        if path.exists():
+            old = path.with_name(f"{path.name}.old-{pid}")
+            path.rename(old)
+            tmp.rename(path)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(path)
+    if world > 1:
+        dist.barrier()  # no rank reads or prunes checkpoints before this one is in place
     return path
 
 
+def tied_duplicates(model: Any) -> set[str]:
+    """state_dict names that repeat an earlier entry's tensor (a tied lm_head)."""
+    seen, repeats = set(), set()
+    for name, tensor in model.state_dict(keep_vars=True).items():  # the parameters themselves: tied ones repeat
+        if id(tensor) in seen:
+            repeats.add(name)
+        seen.add(id(tensor))
+    return repeats
+
+
+def _named_params(model: Any) -> list[tuple[str, Any]]:
+    """The trainable parameters by their Hugging Face name (the same at any world size)."""
+    from grpo_cli.shard import unwrap
+
+    return list(unwrap(model).named_parameters())
+
+
+def save_optimizer(optimizer: Any, model: Any, path: Path) -> None:
+    """AdamW's per-parameter state (moments, step) keyed by parameter name, with torch.distributed.checkpoint:
+    sharded tensors as each rank holds them; DCP reshards them on load for another world size."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    state = {"state": {name: dict(optimizer.state[p]) for name, p in _named_params(model) if p in optimizer.state}}
+    with warnings.catch_warnings():  # one process without a process group: DCP says so in a warning
+        warnings.simplefilter("ignore")
+        dcp.save(state, checkpoint_id=str(path))
+
+
+def load_optimizer(optimizer: Any, model: Any, path: Path, param_groups: list[dict[str, Any]]) -> None:
+    """The inverse of `save_optimizer`, into this run's (possibly differently sharded) parameters."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    saved = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    named = _named_params(model)
+    template: dict[str, dict[str, Any]] = {}
+    for name, p in named:
+        keys = [k[len(f"state.{name}."):] for k in saved if k.startswith(f"state.{name}.")
+                and "." not in k[len(f"state.{name}."):]]
+        if keys:  # a moment has the parameter's shape (and sharding); `step` is a scalar
+            template[name] = {k: torch.zeros(()) if k == "step" else torch.zeros_like(p) for k in keys}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load({"state": template}, checkpoint_id=str(path))
+    position = {id(p): i for i, p in enumerate(p for group in optimizer.param_groups for p in group["params"])}
+    index = {name: position[id(p)] for name, p in named}  # state_dict numbers parameters in group order
+    optimizer.load_state_dict({"state": {index[name]: value for name, value in template.items()},
+                               "param_groups": param_groups})
+
+
 def trainer_state(optimizer: Any, scheduler: Any, cursor: Any, best_pass: float) -> dict[str, Any]:
-    """Everything besides the weights that an exact resume needs: optimizer, lr schedule, prompt
-    order and position, the best held-out pass@1 so far, and the RNG states (tensors and plain types)."""
+    """Everything besides the weights and AdamW's moments (OPTIMIZER_DIR) that an exact resume needs:
+    AdamW's groups (lr, betas, ...), the lr schedule, prompt order and position, the best held-out
+    pass@1 so far, and the RNG states (tensors and plain types)."""
     import random
 
     import torch
 
-    return {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), **cursor.state_dict(),
-            "best_pass": best_pass, "python_rng": random.getstate(), "torch_rng": torch.get_rng_state()}
+    return {"optimizer_param_groups": optimizer.state_dict()["param_groups"], "scheduler": scheduler.state_dict(),
+            **cursor.state_dict(), "best_pass": best_pass, "python_rng": random.getstate(),
+            "torch_rng": torch.get_rng_state()}
 
 
-def restore_trainer_state(state: dict[str, Any], optimizer: Any, scheduler: Any, cursor: Any) -> float:
-    """Put a `trainer_state` back in place; returns the best held-out pass@1 it had."""
+def restore_trainer_state(state: dict[str, Any], optimizer: Any, scheduler: Any, cursor: Any,
+                          path: Path | None = None, model: Any = None) -> float:
+    """Put a `trainer_state` (and the checkpoint's OPTIMIZER_DIR) back in place; returns the best
+    held-out pass@1 it had. A checkpoint from before OPTIMIZER_DIR holds the whole optimizer in
+    `state["optimizer"]`, numbered in parameter order."""
     import random
 
     import torch
 
-    optimizer.load_state_dict(state["optimizer"])
+    if "optimizer" in state:
+        load_legacy_optimizer(optimizer, model, state["optimizer"])
+    elif path is not None and (Path(path) / OPTIMIZER_DIR).is_dir():
+        load_optimizer(optimizer, model, Path(path) / OPTIMIZER_DIR, state["optimizer_param_groups"])
     scheduler.load_state_dict(state["scheduler"])
     cursor.load_state_dict(state)
     random.setstate(state["python_rng"])
     torch.set_rng_state(state["torch_rng"])
     return state["best_pass"]
+
+
+def load_legacy_optimizer(optimizer: Any, model: Any, saved: dict[str, Any]) -> None:
+    """A one-process optimizer state_dict (full tensors); at world size > 1 each rank keeps its shard."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    state = {}
+    for i, values in saved["state"].items():
+        p = params[int(i)]
+        state[i] = {k: distribute_tensor(v, p.device_mesh, p.placements) if isinstance(p, DTensor) and k != "step"
+                    else v for k, v in values.items()}
+    optimizer.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
 
 
 def is_complete_checkpoint(path: Path) -> bool:

@@ -192,8 +192,10 @@ def _register(command: str, recipe_required: bool = True, rest: list[str] | None
         node.pop("resume", None)  # how that run was started, not part of its recipe
         cs.store(group="recipe", name=RUN_RECIPE, node=node, package="_global_")
     cs.store(name=f"{command}_schema", node=schema)
+    from grpo_cli.launch import log_name, rank
+
     hydra_settings: dict[str, Any] = {
-        "job": {"name": command, "chdir": False},
+        "job": {"name": log_name(command, rank())[: -len(".log")], "chdir": False},  # train.log, train-rank1.log
         "help": {"app_name": f"grpo {command}"},
     }
     recipe_required = recipe_required and COMMANDS[command].needs_recipe
@@ -202,7 +204,7 @@ def _register(command: str, recipe_required: bool = True, rest: list[str] | None
     if COMMANDS[command].makes_run_dir:
         # A resumed run continues in its own directory; its Hydra files go to a subfolder.
         hydra_settings["run"] = {"dir": "${grpo_run_dir:${output_dir},${task},${resume}}"}
-        hydra_settings["output_subdir"] = "${grpo_hydra_subdir:${resume}}"
+        hydra_settings["output_subdir"] = "${grpo_hydra_subdir:${resume}}" if rank() == 0 else None
         hydra_settings["sweep"] = {"dir": f"${{output_dir}}/${{task}}/sweep_{_RUN_NAME}", "subdir": "${hydra.job.num}"}
     else:
         # Commands that write no run directory: no log file, no .hydra folder, output in place.
@@ -276,11 +278,12 @@ def _hydra_args(rest: list[str]) -> Any:
         raise UsageError(f"could not parse arguments: {' '.join(rest)}") from None
 
 
-def _preflight(command: str, rest: list[str]) -> None:
-    """Compose and validate before Hydra's app runs, so every mistake is one line, no traceback."""
+def _preflight(command: str, rest: list[str]) -> Any:
+    """Compose and validate before Hydra's app runs, so every mistake is one line, no traceback.
+    Returns the validated config (None for help and the like)."""
     args = _hydra_args(rest)
     if args.help or args.hydra_help or args.shell_completion or args.info or args.experimental_rerun:
-        return
+        return None
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     recipes = available_recipes()
@@ -311,7 +314,7 @@ def _preflight(command: str, rest: list[str]) -> None:
     for r in chosen_recipes:
         if r not in recipes:
             raise UsageError(f"unknown recipe '{r}'{_did_you_mean(r, list(recipes))}; available: {names}")
-    _compose_and_validate(command, overrides, args.config_dir)
+    return _compose_and_validate(command, overrides, args.config_dir)
 
 
 def load_config(command: str, overrides: list[str]) -> Any:
@@ -412,10 +415,14 @@ def _make_app(command: str) -> Callable[[], Any]:
             config = validate(cfg, COMMAND_SCHEMAS[command])
         except UsageError as e:
             _fail(command, str(e))
+        from grpo_cli.launch import log_name, rank
+
         run_dir = None
         if spec.makes_run_dir:
             run_dir = Path(HydraConfig.get().runtime.output_dir)
-            OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
+            if rank() == 0:  # one process of a job writes the run's files
+                OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
+        who = f"rank {rank()}: " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
         module_name, func_name = spec.runner.split(":")
         try:
             import importlib
@@ -424,14 +431,14 @@ def _make_app(command: str) -> Callable[[], Any]:
             code = runner(config, run_dir)
         except UsageError as e:
             log.error("%s", e) if run_dir else None
-            _fail(command, str(e))
+            _fail(command, who + str(e))
         except KeyboardInterrupt:
             raise
         except Exception as e:
             # Full traceback to the run's log file; one line on the terminal.
             log.exception("grpo %s crashed", command)
-            where = f" (traceback in {run_dir / (command + '.log')})" if run_dir else ""
-            _fail(command, f"{type(e).__name__}: {e}{where}", code=1)
+            where = f" (traceback in {run_dir / log_name(command, rank())})" if run_dir else ""
+            _fail(command, f"{who}{type(e).__name__}: {e}{where}", code=1)
         if code:
             sys.exit(code)
 
@@ -522,8 +529,25 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     try:
         _register(command, rest=rest)
-        _preflight(command, rest)
+        config = _preflight(command, rest)
     except UsageError as e:
         _fail(command, str(e))
     log.debug("preflight took %.3fs", time.time() - started)
+    from grpo_cli import launch
+
+    world = getattr(getattr(config, "dist", None), "world_size", 1)
+    if command == "train" and world > 1 and not launch.under_launcher():
+        args = _hydra_args(rest)
+        if args.multirun:
+            _fail(command, "a sweep (-m) runs its jobs in this process one by one; run each multi-process "
+                  "job on its own, without -m")
+        if not args.cfg:  # --cfg job prints the config, as for one process
+            return launch.launch(config.dist, rest)  # the workers come back here, under the launcher
+    if launch.under_launcher() and int(os.environ["WORLD_SIZE"]) > 1:
+        if command != "train":
+            _fail(command, f"WORLD_SIZE={os.environ['WORLD_SIZE']}: 'grpo {command}' runs in one process; "
+                  "only 'grpo train' runs over several")
+        global _RUN_NAME
+        launch.join_job(config.dist.timeout_s if config is not None else 600)
+        _RUN_NAME = launch.share_from_rank0(_RUN_NAME)  # one run directory for the whole job
     return _run_hydra(command, rest)

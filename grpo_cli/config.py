@@ -228,6 +228,30 @@ class LoggingConfig:
 
 
 @dataclass
+class DistConfig:
+    """Several processes and nodes (torchrun). With nproc_per_node = nnodes = 1 a run is one process."""
+
+    nproc_per_node: int = 1  # processes on this node; > 1 makes `grpo train` start itself under torchrun
+    nnodes: int = 1  # nodes in the job; run the same command on each with its dist.node_rank
+    node_rank: int = 0  # this node's index, 0..nnodes-1 (multi-node only)
+    rdzv_endpoint: str = "127.0.0.1:29500"  # host:port of node 0, where the nodes meet (multi-node only)
+    timeout_s: int = 600  # a collective that waits longer than this fails the job (a rank died or hangs)
+
+    def __post_init__(self) -> None:
+        _require(self.nproc_per_node >= 1, "dist.nproc_per_node", "must be >= 1")
+        _require(self.nnodes >= 1, "dist.nnodes", "must be >= 1")
+        _require(0 <= self.node_rank < self.nnodes, "dist.node_rank",
+                 f"is {self.node_rank}; it must be in 0..dist.nnodes-1 ({self.nnodes - 1})")
+        host, _, port = self.rdzv_endpoint.rpartition(":")
+        _require(bool(host) and port.isdigit(), "dist.rdzv_endpoint", f"'{self.rdzv_endpoint}' is not HOST:PORT")
+        _require(self.timeout_s >= 10, "dist.timeout_s", "must be >= 10 seconds")
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.nnodes
+
+
+@dataclass
 class TrainConfig:
     """`grpo train`: everything a run needs. A recipe fills these in; overrides refine them."""
 
@@ -242,6 +266,7 @@ class TrainConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)  # held-out evaluation during training
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # what is saved and when
     logging: LoggingConfig = field(default_factory=LoggingConfig)  # console, metrics files, wandb
+    dist: DistConfig = field(default_factory=DistConfig)  # processes and nodes (torchrun, FSDP2, a vLLM engine per rank)
 
     def __post_init__(self) -> None:
         _require(len(self.rewards) > 0, "rewards", "no reward functions; add e.g. rewards=[{name:correct,weight:1.0}]")
@@ -254,6 +279,10 @@ class TrainConfig:
         _require(self.trainer.minibatches <= self.rollout.prompts_per_step, "trainer.minibatches",
                  f"{self.trainer.minibatches} exceeds rollout.prompts_per_step={self.rollout.prompts_per_step}: "
                  "minibatches split the step's groups")
+        world = self.dist.world_size
+        _require(self.rollout.prompts_per_step % world == 0, "rollout.prompts_per_step",
+                 f"{self.rollout.prompts_per_step} does not split over {world} processes (dist.nproc_per_node x "
+                 "dist.nnodes); make it a multiple of the process count")
         _require(self.eval.num_problems <= self.data.num_heldout, "eval.num_problems",
                  f"{self.eval.num_problems} exceeds data.num_heldout={self.data.num_heldout}")
 

@@ -647,6 +647,14 @@ QUIET_ENV = {
 QUIET_LOGGERS = ("vllm", "transformers", "datasets", "huggingface_hub", "filelock", "urllib3")
 
 
+def peak_rss_gib() -> float:
+    """This process's peak resident memory so far, GiB (host memory: weights, engine, activations on the CPU)."""
+    import resource
+
+    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    return kib / 2**20
+
+
 def quiet_third_party(verbose: bool) -> None:
     """Silence vLLM's, datasets' and transformers' progress bars and log chatter, unless `verbose`.
 
@@ -655,6 +663,10 @@ def quiet_third_party(verbose: bool) -> None:
     """
     if verbose:
         return
+    import warnings
+
+    # vLLM touches a deprecated torch.distributed name at import when a process group exists (a torchrun rank)
+    warnings.filterwarnings("ignore", message=r".*torch\.distributed\.reduce_op.* is deprecated", category=FutureWarning)
     user_set = {key for key in QUIET_ENV if key in os.environ}
     for key, value in QUIET_ENV.items():
         os.environ.setdefault(key, value)

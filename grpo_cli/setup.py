@@ -48,9 +48,10 @@ def preflight(cfg: TrainConfig) -> Task:
 
         if not torch.cuda.is_available():
             raise UsageError(f"trainer.device={cfg.trainer.device}: no CUDA device here; use trainer.device=auto or cpu")
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise UsageError(f"WORLD_SIZE={os.environ['WORLD_SIZE']}: training over several processes is not built "
-                         "yet (issue 15); run one process")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and cfg.rollout.prompts_per_step % world:  # plain torchrun: the config did not know the count
+        raise UsageError(f"rollout.prompts_per_step: {cfg.rollout.prompts_per_step} does not split over {world} "
+                         "processes (WORLD_SIZE); make it a multiple of the process count")
     train_rows, heldout_rows = data.load_splits(cfg.data)
     reward_fns = rewards.load_rewards(cfg.rewards)
     rewards.validate_columns(train_rows, reward_fns)
@@ -95,7 +96,8 @@ def setup_torch(cfg: TrainConfig) -> None:
     t_cfg = cfg.trainer
     # Threads before the engine starts: vLLM's CPU backend keeps OMP_NUM_THREADS if set (else drops
     # torch to 1 thread) and then turns torch.set_num_threads into a no-op for the whole process.
-    threads = t_cfg.threads or os.cpu_count() or 1
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # processes sharing this node's cores
+    threads = t_cfg.threads or max(1, (os.cpu_count() or 1) // local_world)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     torch.set_num_threads(threads)
     random.seed(t_cfg.seed)
@@ -111,6 +113,7 @@ class Start:
     step: int  # the last step already done (0 for a new run)
     path: str  # the weights the policy (and the engine) load
     state: dict[str, Any] | None  # the checkpoint's trainer state (None for a new run)
+    info: dict[str, Any] = dataclasses.field(default_factory=dict)  # the checkpoint's checkpoint.json
 
 
 def resume_or_start(cfg: TrainConfig, run_dir: Path, model_path: str) -> Start:
@@ -127,7 +130,7 @@ def resume_or_start(cfg: TrainConfig, run_dir: Path, model_path: str) -> Start:
     if info["step"] >= cfg.trainer.steps:
         raise UsageError(f"nothing to resume: {path} is at step {info['step']} and trainer.steps="
                          f"{cfg.trainer.steps}; pass a larger trainer.steps to train further")
-    return Start(info["step"], path, load_trainer_state(Path(path)))
+    return Start(info["step"], path, load_trainer_state(Path(path)), info)
 
 
 @dataclass
@@ -141,23 +144,26 @@ def build_models(cfg: TrainConfig, task: Task, start: Start, dist: Any) -> Model
     """The policy from the start point, the reference from the base model, the engine from the start point."""
     from grpo_cli.checkpoint import load_policy
     from grpo_cli.rollout import build_engine
+    from grpo_cli.shard import shard_model
 
     # fp32 master weights on CUDA (the passes autocast to model.dtype); on the CPU model.dtype itself
     policy = load_policy(start.path, dist.master_dtype(cfg.model.dtype)).to(dist.device)
     policy.train()
     policy.config.use_cache = False
+    policy = shard_model(policy, dist)  # FSDP2 at world size > 1 (each rank keeps its shard)
     reference = None
     if cfg.trainer.kl_coef > 0:  # frozen: stored in the compute dtype itself
-        reference = load_policy(task.model_path, cfg.model.dtype).to(dist.device).eval().requires_grad_(False)
+        reference = shard_model(load_policy(task.model_path, cfg.model.dtype).to(dist.device).eval()
+                                .requires_grad_(False), dist)
     engine = build_engine(cfg.rollout.engine, start.path, cfg.model, cfg.rollout, cfg.trainer.seed, policy,
                           task.tokenizer, show_progress=cfg.logging.verbose_libraries, trainer_device=dist.device,
-                          autocast=lambda: dist.autocast(cfg.model.dtype))
+                          autocast=lambda: dist.autocast(cfg.model.dtype), dist=dist)
     return Models(policy, reference, engine)
 
 
 # Keys that may change between a run and its resume; any other difference would make the
 # resumed run a different experiment, so it is refused.
-RESUMABLE_CHANGES = ("resume", "output_dir", "trainer.steps", "logging.", "checkpoint.", "eval.every")
+RESUMABLE_CHANGES = ("resume", "output_dir", "trainer.steps", "logging.", "checkpoint.", "eval.every", "dist.")
 
 
 # Keys of older versions, with the key that replaced each and how its values translate, so runs saved

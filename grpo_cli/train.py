@@ -31,7 +31,7 @@ def run(cfg: TrainConfig, run_dir: Path) -> int:
     from grpo_cli.batch import TrainBatch
     from grpo_cli.checkpoint import restore_trainer_state
     from grpo_cli.collect import PromptCursor, collect_groups
-    from grpo_cli.dist import Dist
+    from grpo_cli.dist import COLLECTIVE_SECONDS, Dist
     from grpo_cli.optim import build_optimizer
     from grpo_cli.setup import build_models, preflight, resume_or_start, setup_torch, truncate_metrics
     from grpo_cli.sync import maybe_push_check, push_to_engine, release_engine
@@ -46,8 +46,10 @@ def run(cfg: TrainConfig, run_dir: Path) -> int:
     cursor = PromptCursor(len(task.train_rows), cfg.trainer.seed)
     best_pass, history = -1.0, []  # best held-out pass@1 so far (checkpoints/best holds that model)
     if start.state is not None:
-        best_pass = restore_trainer_state(start.state, optimizer, scheduler, cursor)
-        history = truncate_metrics(run_dir / "metrics.jsonl", start.step)  # drop steps after the checkpoint
+        best_pass = restore_trainer_state(start.state, optimizer, scheduler, cursor, Path(start.path), models.policy)
+        if dist.is_main:
+            history = truncate_metrics(run_dir / "metrics.jsonl", start.step)  # drop steps after the checkpoint
+        dist.barrier()
 
     def encode(row: dict[str, Any]) -> list[int]:
         return task.encode(row, cfg)
@@ -59,15 +61,16 @@ def run(cfg: TrainConfig, run_dir: Path) -> int:
     guard = NonFiniteGuard(t_cfg.max_bad_steps)
     try:
         out.header(f"grpo train: {cfg.task} | model {task.model_path} | engine {cfg.rollout.engine} | "
-                   f"{t_cfg.steps} steps of {cfg.rollout.prompts_per_step} prompts x {cfg.rollout.group_size} | "
-                   f"run dir {run_dir}")
+                   f"{t_cfg.steps} steps of {cfg.rollout.prompts_per_step} prompts x {cfg.rollout.group_size}"
+                   f"{out.ranks_note} | run dir {run_dir}")
         if start.step == 0:
             out.record({"step": 0, **evaluate(engine, task.heldout_rows[: cfg.eval.num_problems], encode,
-                                              task.reward_fns, cfg, 0)})
+                                              task.reward_fns, cfg, 0, dist)})
         else:
-            out.console.info(f"resumed from {start.path} at step {start.step}")
+            out.console.info(f"resumed from {start.path} at step {start.step}{out.resume_note(start.info)}")
         for step in range(start.step + 1, t_cfg.steps + 1):
             timings = monitor.StepTimer()
+            collective_start = COLLECTIVE_SECONDS[0]
             groups = collect_groups(engine, cursor, task.train_rows, encode, task.reward_fns, cfg, step, dist,
                                     timings)  # [P, G]
             release_engine(engine, optimizer, cfg, dist, timings)  # vLLM sleeps while the trainer steps
@@ -81,13 +84,15 @@ def run(cfg: TrainConfig, run_dir: Path) -> int:
             stats.update(maybe_push_check(engine, policy, batch, step, cfg.rollout, dist, cfg.model.dtype))
 
             metrics = step_metrics(step, groups, batch, stats, timings, scheduler.get_last_lr()[0], started)
-            metrics.update(maybe_evaluate(engine, task, encode, cfg, step))
+            metrics.update(rank_metrics(dist, COLLECTIVE_SECONDS[0] - collective_start))
+            metrics.update(maybe_evaluate(engine, task, encode, cfg, step, dist))
             out.record(metrics)
             last = step == t_cfg.steps
+            stopping = dist.any(stop.requested)  # one decision for all ranks (Ctrl-C may reach only some)
             best_pass = maybe_checkpoint(policy, task.tokenizer, optimizer, scheduler, cursor, best_pass, metrics,
-                                         cfg, run_dir, task.model_path, save_now=last or stop.requested)
+                                         cfg, run_dir, task.model_path, save_now=last or stopping, dist=dist)
             out.after_step(metrics, groups, step, task.tokenizer)  # zero-variance warning, sample completions
-            if stop.requested and not last:
+            if stopping and not last:
                 out.console.warn(f"interrupted at step {step}: checkpoint saved; continue with the same command "
                                  f"plus resume={run_dir}")
                 exit_code = 130
@@ -95,12 +100,25 @@ def run(cfg: TrainConfig, run_dir: Path) -> int:
     finally:
         stop.restore()
         out.close()
-    from grpo_cli.plot import plot_runs
+    dist.barrier()  # every rank is done; then a normal exit (destroy_process_group aborts on gloo: shared/DESIGN.md)
+    if dist.is_main:
+        from grpo_cli.plot import plot_runs
 
-    plot_runs([run_dir], run_dir / "metrics.png")
-    for line in monitor.summary_lines(history, run_dir, time.time() - started):
-        print(line)
+        plot_runs([run_dir], run_dir / "metrics.png")
+        for line in monitor.summary_lines(history, run_dir, time.time() - started):
+            print(line)
     return exit_code
+
+
+def rank_metrics(dist: Any, collective_s: float) -> dict[str, float]:
+    """Peak host memory of the largest rank, and (several ranks) the seconds the step spent in the loop's
+    own collectives, which sit inside the phases (FSDP2's communication is not counted here)."""
+    from grpo_cli import monitor
+
+    metrics = {"memory/peak_rss_gib": max(dist.gather(monitor.peak_rss_gib()))}
+    if dist.world_size > 1:
+        metrics["dist/collective_s"] = collective_s
+    return metrics
 
 
 def step_metrics(step: int, groups: Any, batch: Any, stats: dict[str, Any], timings: dict[str, float], lr: float,
@@ -148,13 +166,26 @@ class RunOutput:
 
         from grpo_cli import monitor
 
-        self.cfg, self.history = cfg, history
+        self.cfg, self.history, self.dist = cfg, history, dist
         self.logger = monitor.make_logger(cfg.logging, run_dir, dataclasses.asdict(cfg)) if dist.is_main \
             else monitor.NullLogger()
-        self.console = monitor.make_console(cfg.trainer.steps, cfg.logging.every)  # live view on a TTY, else lines
+        self.console = monitor.make_console(cfg.trainer.steps, cfg.logging.every) if dist.is_main else \
+            monitor.make_console(cfg.trainer.steps, cfg.logging.every, force_plain=True, file=open(os.devnull, "w"))
         self.watch = monitor.ZeroVarianceWatch(cfg.logging.zero_variance_threshold,
                                                cfg.logging.zero_variance_patience)
         self.console.start()
+
+    @property
+    def ranks_note(self) -> str:
+        """The header's note on the processes (nothing for one)."""
+        return f" | {self.dist.world_size} processes (FSDP2, an engine each)" if self.dist.world_size > 1 else ""
+
+    def resume_note(self, info: dict[str, Any]) -> str:
+        """" (saved by 2 processes, resumed on 1)" when a resume changes the world size, else ""."""
+        saved = info.get("world_size", 1)
+        if saved == self.dist.world_size:
+            return ""
+        return f" (saved by {saved} process{'es' * (saved > 1)}, resumed on {self.dist.world_size})"
 
     def header(self, line: str) -> None:
         """The run's first console lines: what runs, then the loggers' notes (e.g. wandb offline)."""
@@ -185,19 +216,21 @@ class RunOutput:
         self.logger.close()
 
 
-def maybe_evaluate(engine: Any, task: Any, encode: Any, cfg: TrainConfig, step: int) -> dict[str, float]:
+def maybe_evaluate(engine: Any, task: Any, encode: Any, cfg: TrainConfig, step: int, dist: Any) -> dict[str, float]:
     """Held-out metrics every eval.every steps and at the last step ({} otherwise), with their time."""
     every = cfg.eval.every or cfg.trainer.steps
     if not (step % every == 0 or step == cfg.trainer.steps):
         return {}
     tick = time.time()
-    metrics = evaluate(engine, task.heldout_rows[: cfg.eval.num_problems], encode, task.reward_fns, cfg, step)
+    metrics = evaluate(engine, task.heldout_rows[: cfg.eval.num_problems], encode, task.reward_fns, cfg, step, dist)
     return {**metrics, "time/eval": time.time() - tick}
 
 
 def evaluate(engine: Any, rows: list[dict[str, Any]], encode: Any, reward_fns: Any, cfg: TrainConfig,
-             step: int) -> dict[str, float]:
-    """Held-out metrics (sampled pass@1 = mean of the first reward, the correctness check), as eval/... keys."""
+             step: int, dist: Any) -> dict[str, float]:
+    """Held-out metrics (sampled pass@1 = mean of the first reward, the correctness check), as eval/... keys.
+    At world size > 1 the ranks' engines sample their shares of the problems (ShardedEngine), and rank 0's
+    metrics are everyone's (a reward that timed out on one rank only must not split the best-model decision)."""
     from grpo_cli.evaluate import flatten, heldout_metrics
     from grpo_cli.rollout import sample_seeds
 
@@ -205,12 +238,12 @@ def evaluate(engine: Any, rows: list[dict[str, Any]], encode: Any, reward_fns: A
                               cfg.eval.temperature, cfg.rollout.top_p, cfg.rollout.max_new_tokens,
                               sample_seeds(cfg.trainer.seed, step, len(rows), stream=1),
                               prompt_column=cfg.data.prompt_column)
-    return flatten(metrics)
+    return dist.broadcast(flatten(metrics))
 
 
 def maybe_checkpoint(policy: Any, tokenizer: Any, optimizer: Any, scheduler: Any, cursor: Any, best_pass: float,
                      metrics: dict[str, Any], cfg: TrainConfig, run_dir: Path, base_model: str,
-                     save_now: bool) -> float:
+                     save_now: bool, dist: Any) -> float:
     """The best model by held-out pass@1, and a resumable checkpoint every checkpoint.every steps, at the
     end and when `save_now`; returns the best pass@1 so far."""
     import dataclasses
@@ -219,15 +252,16 @@ def maybe_checkpoint(policy: Any, tokenizer: Any, optimizer: Any, scheduler: Any
 
     step = metrics["step"]
     info = {"step": step, "task": cfg.task, "base_model": base_model, "config": dataclasses.asdict(cfg),
-            "eval/pass@1": metrics.get("eval/pass@1")}
+            "eval/pass@1": metrics.get("eval/pass@1"), "world_size": dist.world_size}
     if metrics.get("eval/pass@1", -1.0) > best_pass:
         best_pass = metrics["eval/pass@1"]
-        save_checkpoint(policy, tokenizer, run_dir / "checkpoints" / "best", info)
+        save_checkpoint(policy, tokenizer, run_dir / "checkpoints" / "best", info, dist=dist)
     if save_now or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
         name = "final" if step == cfg.trainer.steps else f"{STEP_PREFIX}{step:06d}"
         save_checkpoint(policy, tokenizer, run_dir / "checkpoints" / name, info,
-                        trainer_state(optimizer, scheduler, cursor, best_pass))
-        prune_checkpoints(run_dir / "checkpoints", cfg.checkpoint.keep_last)
+                        trainer_state(optimizer, scheduler, cursor, best_pass), optimizer=optimizer, dist=dist)
+        if dist.is_main:
+            prune_checkpoints(run_dir / "checkpoints", cfg.checkpoint.keep_last)
     return best_pass
 
 
@@ -246,15 +280,25 @@ class GracefulStop:
     """SIGINT handling: the first Ctrl-C asks the loop to stop after the current step (it
     checkpoints and exits 130); a second one exits at once with 130."""
 
+    # Under torchrun a Ctrl-C reaches a worker twice: from the terminal, and forwarded by the agent.
+    # A second SIGINT this soon after the first is that copy, not a second press.
+    ECHO_S = 2.0
+
     def __init__(self) -> None:
         self.requested = False
+        self._first_at = 0.0
+        self._under_launcher = "LOCAL_RANK" in os.environ
         self._previous = signal.signal(signal.SIGINT, self._handle)
 
     def _handle(self, signum: int, frame: Any) -> None:
+        if self.requested and self._under_launcher and time.monotonic() - self._first_at < self.ECHO_S:
+            return
         if self.requested:
             print("\ninterrupted twice: exiting now", file=sys.stderr, flush=True)
             os._exit(130)  # vLLM's threads could hold a normal exit; nothing half-written: saves are atomic
-        self.requested = True
+        self.requested, self._first_at = True, time.monotonic()
+        if os.environ.get("RANK", "0") != "0":  # one message for the job
+            return
         print("\ninterrupt: stopping after this step and saving a checkpoint (Ctrl-C again to quit now)",
               file=sys.stderr, flush=True)
 

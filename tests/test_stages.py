@@ -124,14 +124,25 @@ def test_world_of_one_is_the_cpu_and_every_collective_returns_its_input(monkeypa
     assert dist.sum([1.5, 2.0]) == [1.5, 2.0] and dist.all(False) is False and dist.broadcast({"a": 1}) == {"a": 1}
 
 
-def test_preflight_refuses_several_processes_until_they_are_built(monkeypatch):
+def test_a_batch_that_does_not_split_over_the_processes_is_refused_before_any_model_loads(monkeypatch):
     from grpo_cli.cli import load_config
     from grpo_cli.errors import UsageError
     from grpo_cli.setup import preflight
 
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(UsageError, match="WORLD_SIZE=2"):
-        preflight(load_config("train", ["recipe=bike_pricing"]))
+    with pytest.raises(UsageError, match=r"rollout.prompts_per_step: 8 does not split over 3 processes"):
+        load_config("train", ["recipe=bike_pricing", "dist.nproc_per_node=3"])
+    cfg = load_config("train", ["recipe=bike_pricing"])  # plain torchrun: only WORLD_SIZE knows the count
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(UsageError, match=r"8 does not split over 3 processes \(WORLD_SIZE\)"):
+        preflight(cfg)
+
+
+def test_each_rank_takes_a_contiguous_share_and_the_shares_cover_everything():
+    from grpo_cli.batch import rank_share
+
+    shares = [Dist(rank=r, world_size=3).share(8) for r in range(3)]
+    assert shares == [range(0, 3), range(3, 6), range(6, 8)]
+    assert [rank_share(range(4, 6), r, 3) for r in range(3)] == [range(4, 5), range(5, 6), range(6, 6)]
 
 
 WORKER = textwrap.dedent('''

@@ -1,0 +1,132 @@
+"""`grpo train ... dist.nproc_per_node=N`: the command starting itself under torchrun's agent, and a
+worker process joining the job.
+
+`launch` runs torch.distributed's elastic agent in this process (what `torchrun` runs), with the
+same command line as the workers' entry point: each worker finds WORLD_SIZE set and trains as one
+rank. One node: a private rendezvous on a free local port (torchrun --standalone). Several nodes:
+the static rendezvous at dist.rdzv_endpoint, this node being dist.node_rank (torchrun --nnodes
+--node-rank --rdzv-endpoint). The plain `torchrun --nproc-per-node N -m grpo_cli train ...`
+lands in the same worker path.
+
+What the agent does on a failure (torch/distributed/elastic): when a worker exits non-zero it
+stops the others (SIGTERM, SIGKILL after `SHUTDOWN_TIMEOUT_S`) and reports each worker's exit
+code; a SIGINT to the agent is forwarded to the workers, which then checkpoint and exit 130.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+# Seconds the agent waits for the workers to finish after a Ctrl-C (they end the step and checkpoint)
+# or after another worker failed (they are stuck in a collective), before it kills them.
+SHUTDOWN_TIMEOUT_S = 120
+
+
+def under_launcher() -> bool:
+    """Whether this process is one rank of a torchrun job (torchrun sets WORLD_SIZE, RANK, LOCAL_RANK)."""
+    return "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
+
+
+def rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def log_name(command: str, global_rank: int) -> str:
+    """The log file of a rank in the run directory: train.log for rank 0, train-rank1.log, ..."""
+    return f"{command}.log" if global_rank == 0 else f"{command}-rank{global_rank}.log"
+
+
+def join_job(timeout_s: int) -> None:
+    """A worker's first step: the process group (gloo for CPU tensors, nccl for CUDA ones), with a
+    timeout so a rank that died or hangs fails the others' collectives instead of blocking forever."""
+    import datetime
+
+    import torch
+    import torch.distributed as torch_dist
+
+    if torch_dist.is_initialized():
+        return
+    die_with_parent()
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    torch_dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def die_with_parent() -> None:
+    """Linux: this worker gets SIGKILL when its launcher dies. torchrun starts each worker in a session of
+    its own, so a `kill -9` of the launcher (or the OOM killer) would otherwise leave the workers running."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        return
+    if os.getppid() == 1:  # the launcher died before the call
+        os._exit(1)
+
+
+def share_from_rank0(value: Any) -> Any:
+    """Rank 0's `value` on every rank (the run directory's name, fixed once per job)."""
+    import torch.distributed as torch_dist
+
+    box = [value]
+    torch_dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def launch(dist_cfg: Any, argv: list[str]) -> int:
+    """Run `python -m grpo_cli train ARGV` as dist.nproc_per_node workers on this node (of dist.nnodes);
+    returns the command's exit code: 0, 130 after Ctrl-C, else the first failed rank's."""
+    import uuid
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # the one line below says it
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # the workers' C++ start-up warnings (NUMA binding)
+    threads = max(1, (os.cpu_count() or 1) // dist_cfg.nproc_per_node)
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))  # one share of the cores per worker
+    if dist_cfg.nnodes == 1:  # torchrun --standalone: a private rendezvous on a free local port
+        rdzv = {"rdzv_backend": "c10d", "rdzv_endpoint": "127.0.0.1:0", "run_id": str(uuid.uuid4())}
+    else:  # torchrun --nnodes N --node-rank R --rdzv-endpoint HOST:PORT: node ranks as given
+        rdzv = {"rdzv_backend": "static", "rdzv_endpoint": dist_cfg.rdzv_endpoint, "run_id": "grpo",
+                "rdzv_configs": {"rank": dist_cfg.node_rank, "timeout": dist_cfg.timeout_s}}
+    config = LaunchConfig(min_nodes=dist_cfg.nnodes, max_nodes=dist_cfg.nnodes,
+                          nproc_per_node=dist_cfg.nproc_per_node, max_restarts=0, monitor_interval=0.5,
+                          shutdown_timeout=SHUTDOWN_TIMEOUT_S, **rdzv)
+    interrupted = []
+    previous = signal.getsignal(signal.SIGINT)
+    started = time.time()
+    try:
+        elastic_launch(config, sys.executable)("-m", "grpo_cli", "train", *argv)
+    except SignalException as e:
+        interrupted.append(e.sigval)
+    except ChildFailedError as e:
+        if interrupted or all(f.exitcode == 130 for f in e.failures.values()):
+            return 130
+        first_rank, first = min(e.failures.items(), key=lambda kv: kv[1].timestamp)
+        code = first.exitcode if first.exitcode > 0 else 1
+        print(f"grpo train: error: rank {first_rank} exited with {_describe(first.exitcode)} after "
+              f"{time.time() - started:.0f} s; the other ranks were stopped (its error is above; the traceback is in "
+              f"the run directory's {log_name('train', first_rank)})", file=sys.stderr)
+        return code
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    return 130 if interrupted else 0
+
+
+def _describe(exitcode: int) -> str:
+    if exitcode < 0:
+        try:
+            return f"signal {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"signal {-exitcode}"
+    return f"exit code {exitcode}"

@@ -1,0 +1,280 @@
+"""Several processes: torchrun with 2 gloo ranks, FSDP2, an engine per rank (tier 3: minutes).
+
+The update is checked on its own first (the same batch through 1 and 2 ranks and different
+micro-batch caps gives the same weights); then `grpo train` itself: a 2-rank run with vLLM, two
+simulated nodes, kill -9 and resume at 2 and at 1 rank, resume of a 1-process run at 2, Ctrl-C,
+and a rank that raises. All but the vLLM run use the tiny model with the transformers engine, so
+each job takes seconds; the FSDP2 shards, collectives and checkpoints are the real ones.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+WORKER = REPO / "tests" / "workers" / "partition_update.py"
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # one thread per rank: two ranks share this machine's two cores
+
+
+def update_weights(tmp_path: Path, name: str, ranks: int, micro_batch_size: int, loss: str = "grpo") -> dict:
+    out = tmp_path / f"{name}.pt"
+    launcher = [sys.executable] if ranks == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                    "--nproc-per-node", str(ranks)]
+    done = subprocess.run([*launcher, str(WORKER), str(out), str(micro_batch_size), loss], capture_output=True,
+                          text=True, timeout=300, env=ENV, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return torch.load(out)
+
+
+def assert_same_weights(a: dict, b: dict, rtol: float = 1e-5) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        scale = float(a[name].abs().max())
+        diff = float((a[name] - b[name]).abs().max())
+        assert diff <= rtol * scale, f"{name}: max |diff| {diff:.3g} > {rtol} x {scale:.3g}"
+
+
+@pytest.mark.parametrize("loss", ["grpo", "token_mean"])
+def test_the_update_does_not_depend_on_how_the_batch_is_split(tmp_path, loss):
+    """One rank with every sequence in one pass; two ranks (one of them idle in a minibatch, padded
+    passes) with 3 per pass; one rank with 1 per pass: the same weights (fp32, relative 1e-5)."""
+    whole = update_weights(tmp_path, "whole", 1, 64, loss)
+    two_ranks = update_weights(tmp_path, "two", 2, 3, loss)
+    assert_same_weights(whole["weights"], two_ranks["weights"])
+    assert two_ranks["stats"]["loss"] == pytest.approx(whole["stats"]["loss"], rel=1e-5)
+    assert two_ranks["stats"]["grad_norm"] == pytest.approx(whole["stats"]["grad_norm"], rel=1e-5)
+    if loss == "grpo":
+        one_per_pass = update_weights(tmp_path, "single", 1, 1, loss)
+        assert_same_weights(whole["weights"], one_per_pass["weights"])
+        assert one_per_pass["passes"] > whole["passes"]
+    sys.path.insert(0, str(WORKER.parent))
+    try:
+        from partition_update import tiny
+    finally:
+        sys.path.pop(0)
+    start = tiny(0).state_dict()
+    moved = max(float((whole["weights"][k] - start[k]).abs().max()) for k in start)
+    assert moved > 1e-3  # the update did move the weights, so agreeing means something
+
+
+# ---------------------------------------------------------------------------- grpo train at 2 ranks
+
+
+def run_dir_of(out: Path) -> Path:
+    dirs = [d for d in (out / "bike_pricing").iterdir() if d.is_dir()]
+    assert len(dirs) == 1, dirs
+    return dirs[0]
+
+
+def metrics_of(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_two_ranks_with_vllm_write_one_run_that_transformers_and_vllm_load(tmp_path):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "runs"
+    done = subprocess.run([sys.executable, "-m", "grpo_cli", "train", "recipe=bike_pricing", "dist.nproc_per_node=2",
+                           "trainer.steps=2", "eval.num_problems=8", "eval.every=2", "checkpoint.every=1",
+                           "rollout.push_check_every=1", f"output_dir={out}"],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "2 processes (FSDP2, an engine each)" in done.stdout
+    run_dir = run_dir_of(out)
+    assert (run_dir / "train.log").is_file() and (run_dir / "train-rank1.log").is_file()
+    metrics = metrics_of(run_dir)
+    assert [m["step"] for m in metrics] == [0, 1, 2]
+    for m in metrics[1:]:  # both engines took every push: each rank checked its own, the worst is logged
+        assert m["push_check/max_abs_diff"] < 1e-3
+        assert m["samples"] == 64  # 8 prompts x 8, gathered from the two engines
+    final = run_dir / "checkpoints" / "final"
+    model = AutoModelForCausalLM.from_pretrained(final, use_safetensors=True)
+    saved = load_file(final / "model.safetensors")
+    assert model.model.embed_tokens.weight.equal(saved["model.embed_tokens.weight"])
+    assert json.loads((final / "checkpoint.json").read_text())["world_size"] == 2
+    base = load_file(REPO / "grpo_cli" / "models" / "bike_base" / "model.safetensors")
+    assert saved.keys() == base.keys()  # the same files as a one-process checkpoint (tied lm_head written once)
+    assert any(not saved[k].equal(base[k]) for k in saved)  # trained weights, not the start
+    evaluated = subprocess.run([sys.executable, "-m", "grpo_cli", "eval", f"checkpoint={final}",
+                                "eval.num_problems=8"], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]  # vLLM loaded the gathered checkpoint
+    written = json.loads((final / "eval.json").read_text())
+    assert written["num_problems"] == 8 and 0.0 <= written["pass@1"] <= 1.0
+
+
+REWARD_MODULE = '''
+def digit_share(completions, **kwargs):
+    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
+'''
+
+# Fault injection for the rank-failure test: rank 1's update raises at the second step.
+SITECUSTOMIZE = '''
+import os
+if os.environ.get("GRPO_TEST_FAIL_RANK") == os.environ.get("RANK", "-"):
+    import grpo_cli.update as _update
+    _real, _calls = _update.update, []
+    def update(*args, **kwargs):
+        _calls.append(1)
+        if len(_calls) == 2:
+            raise RuntimeError("injected failure in the update")
+        return _real(*args, **kwargs)
+    _update.update = update
+'''
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory, tiny_model_dir):
+    root = tmp_path_factory.mktemp("dist")
+    (root / "tiny").symlink_to(tiny_model_dir, target_is_directory=True)
+    (root / "test_rewards_mod.py").write_text(REWARD_MODULE)
+    (root / "inject").mkdir()
+    (root / "inject" / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    return root
+
+
+def train_args(workdir: Path, out: str, *extra: str, ranks: int = 2) -> list[str]:
+    return [sys.executable, "-m", "grpo_cli", "train", "recipe=bike_pricing", f"output_dir={workdir / out}",
+            f"model.name_or_path={workdir / 'tiny'}", "rollout.engine=hf", "rollout.prompts_per_step=2",
+            "rollout.group_size=4", "rollout.max_new_tokens=16", "eval.num_problems=4", "eval.every=2",
+            "trainer.lr=1e-3", "rewards=[{name:test_rewards_mod:digit_share}]", "rollout.push_check_every=1",
+            *([f"dist.nproc_per_node={ranks}"] if ranks > 1 else []), *extra]
+
+
+def env_with_cwd(workdir: Path, **extra: str) -> dict[str, str]:
+    return {**ENV, "PYTHONPATH": os.pathsep.join([str(workdir), ENV.get("PYTHONPATH", "")]), **extra}
+
+
+def train(workdir: Path, out: str, *extra: str, ranks: int = 2, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(train_args(workdir, out, *extra, ranks=ranks), cwd=workdir, capture_output=True, text=True,
+                          timeout=600, env=env or env_with_cwd(workdir))
+
+
+def final_weights(workdir: Path, out: str) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(run_dir_of(workdir / out) / "checkpoints" / "final" / "model.safetensors")
+
+
+def assert_bit_identical(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    assert all(a[k].equal(b[k]) for k in a), [k for k in a if not a[k].equal(b[k])]
+
+
+def workers_left(marker: str) -> list[str]:
+    """Command lines of processes still running with `marker` (an output directory) in them."""
+    ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout.splitlines()
+    return [line for line in ps if marker in line and "ps -eo" not in line]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_simulated_nodes_run_the_same_job_as_two_processes(workdir):
+    two = train(workdir, "two_procs", "trainer.steps=2")
+    assert two.returncode == 0, two.stderr[-3000:]
+    port = free_port()
+    nodes = [subprocess.Popen(train_args(workdir, "two_nodes", "trainer.steps=2", "dist.nnodes=2",
+                                         f"dist.node_rank={r}", f"dist.rdzv_endpoint=127.0.0.1:{port}", ranks=1),
+                              cwd=workdir, env=env_with_cwd(workdir), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for r in range(2)]
+    outputs = [node.communicate(timeout=600) for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], [err[-2000:] for _, err in outputs]
+    assert_bit_identical(final_weights(workdir, "two_procs"), final_weights(workdir, "two_nodes"))
+    keys = ("reward/mean", "loss", "grad_norm", "eval/pass@1", "push_check/max_abs_diff")
+    pick = [[{k: m.get(k) for k in keys} for m in metrics_of(run_dir_of(workdir / out))]
+            for out in ("two_procs", "two_nodes")]
+    assert pick[0] == pick[1]
+
+
+def test_kill_9_mid_run_then_resume_at_two_ranks_is_bit_exact_and_at_one_rank_works(workdir):
+    straight = train(workdir, "straight", "trainer.steps=4")
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    proc = subprocess.Popen(train_args(workdir, "killed", "trainer.steps=4", "checkpoint.every=2"), cwd=workdir,
+                            env=env_with_cwd(workdir), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline, marker = time.time() + 600, None
+    while time.time() < deadline and proc.poll() is None and marker is None:
+        marker = next(iter((workdir / "killed").glob("bike_pricing/*/checkpoints/step_000002/checkpoint.json")), None)
+        time.sleep(0.1)
+    assert marker is not None, "no checkpoint at step 2 appeared"
+    proc.send_signal(signal.SIGKILL)  # the launcher; its workers die with it
+    proc.wait()
+    time.sleep(2)
+    assert workers_left(str(workdir / "killed")) == []
+    run_dir = marker.parents[2]
+    assert not (run_dir / "checkpoints" / "final").exists()
+    copy = workdir / "killed_copy" / "bike_pricing" / run_dir.name
+    shutil.copytree(run_dir, copy)
+
+    resumed = train(workdir, "killed", "trainer.steps=4", "checkpoint.every=2", "resume=auto")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_bit_identical(final_weights(workdir, "straight"), final_weights(workdir, "killed"))
+    assert [m["step"] for m in metrics_of(run_dir)] == [0, 1, 2, 3, 4]
+
+    one = train(workdir, "killed_copy", "trainer.steps=4", "checkpoint.every=2", f"resume={copy}", ranks=1)
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert "saved by 2 processes, resumed on 1" in one.stdout
+    assert [m["step"] for m in metrics_of(copy)] == [0, 1, 2, 3, 4]
+
+
+def test_a_one_process_run_resumes_at_two_ranks(workdir):
+    first = train(workdir, "grow", "trainer.steps=2", ranks=1)
+    assert first.returncode == 0, first.stderr[-3000:]
+    run_dir = run_dir_of(workdir / "grow")
+    grown = train(workdir, "grow", "trainer.steps=4", f"resume={run_dir}")
+    assert grown.returncode == 0, grown.stderr[-3000:]
+    assert "saved by 1 process, resumed on 2" in grown.stdout
+    assert [m["step"] for m in metrics_of(run_dir)] == [0, 1, 2, 3, 4]
+
+
+def test_ctrl_c_on_two_ranks_checkpoints_exits_130_and_leaves_no_rank(workdir):
+    from grpo_cli.checkpoint import step_checkpoints
+
+    proc = subprocess.Popen(train_args(workdir, "interrupted", "trainer.steps=200", "checkpoint.every=0"),
+                            cwd=workdir, env=env_with_cwd(workdir), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    deadline = time.time() + 600
+    while time.time() < deadline:
+        found = list((workdir / "interrupted").glob("bike_pricing/*/metrics.jsonl"))
+        if found and len(found[0].read_text().splitlines()) >= 2:
+            break
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)  # what a terminal's Ctrl-C sends the launcher
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 130, stderr[-3000:]
+    run_dir = run_dir_of(workdir / "interrupted")
+    assert step_checkpoints(run_dir), "Ctrl-C wrote no checkpoint"
+    assert f"resume={run_dir}" in stdout + stderr
+    assert "Traceback" not in stderr
+    assert workers_left(str(workdir / "interrupted")) == []
+
+
+def test_a_rank_that_raises_ends_the_job_in_bounded_time_with_one_line(workdir):
+    env = env_with_cwd(workdir, GRPO_TEST_FAIL_RANK="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(workdir / "inject"), env["PYTHONPATH"]])
+    started = time.time()
+    failed = train(workdir, "raises", "trainer.steps=20", env=env)
+    took = time.time() - started
+    assert failed.returncode == 1, failed.stderr[-3000:]
+    assert "grpo train: error: rank 1: RuntimeError: injected failure in the update" in failed.stderr
+    assert "rank 1 exited with exit code 1" in failed.stderr
+    assert "Traceback" not in failed.stderr
+    assert "injected failure" in (run_dir_of(workdir / "raises") / "train-rank1.log").read_text()
+    assert took < 200  # rank 0 waited in a collective: stopped by the launcher, not by the 600 s timeout
+    assert workers_left(str(workdir / "raises")) == []

@@ -1,0 +1,84 @@
+"""Benchmark: the default workload at 1 process and at N processes (FSDP2, a vLLM engine per rank).
+
+    python scripts/bench_dist.py                    # 1 vs 2 processes, 30 steps each (about 6 minutes on 2 cores)
+    python scripts/bench_dist.py --steps 10 --ranks 1,2 --out dist.json
+
+Each configuration runs `grpo train recipe=bike_pricing trainer.steps=STEPS` in its own
+subprocess, one after another (nothing else shares the CPU), with no held-out evaluation
+after step 0 and no checkpoint before the end. From its metrics.jsonl, over steps 2..STEPS
+(step 1 pays for first-call set-up):
+
+- seconds per step (median) and the phase split: generate (the ranks' engines, and gathering
+  their rollouts), reward, logprobs (reference pass), update (forward/backward/AdamW, with
+  FSDP2's gathers and gradient reductions inside it at N > 1), push (gathering each tensor
+  from the shards into the engine, and the engine's reload);
+- `dist/collective_s`: the seconds a step spends in the loop's own collectives (gathering
+  rollouts, scores and metrics, summing statistics, the Ctrl-C vote), which sit inside the
+  phases above; FSDP2's own communication is inside `update`, `logprobs` and `push`;
+- the peak resident memory of the largest rank (GiB).
+
+No assertion on timings: this is a measuring tool, not a test. On a 2-core machine two
+processes share the same two cores (one thread each), so N = 2 measures the cost of the
+distribution itself, not a speed-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PHASES = ("generate", "reward", "logprobs", "update", "push")
+
+
+def run(ranks: int, steps: int, out_dir: Path) -> dict:
+    cmd = [sys.executable, "-m", "grpo_cli", "train", "recipe=bike_pricing", f"trainer.steps={steps}", "eval.every=0",
+           "eval.num_problems=8", "checkpoint.every=0", "rollout.push_check_every=0", f"output_dir={out_dir}"]
+    if ranks > 1:
+        cmd.append(f"dist.nproc_per_node={ranks}")
+    started = time.time()
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    wall = time.time() - started
+    if done.returncode != 0:
+        sys.exit(f"{ranks} process(es) failed:\n{done.stderr[-3000:]}")
+    metrics_file = next(out_dir.glob("bike_pricing/*/metrics.jsonl"))
+    rows = [json.loads(line) for line in metrics_file.read_text().splitlines()]
+    steps_rows = [r for r in rows if r["step"] >= 2 and "time/step" in r]
+    median = {k: statistics.median(r.get(f"time/{k}", 0.0) for r in steps_rows) for k in PHASES}
+    return {
+        "ranks": ranks,
+        "steps": steps,
+        "wall_s": wall,
+        "s_per_step": statistics.median(r["time/step"] for r in steps_rows),
+        "phases_s": median,
+        "collective_s": statistics.median(r.get("dist/collective_s", 0.0) for r in steps_rows),
+        "peak_rss_gib": max(r.get("memory/peak_rss_gib", 0.0) for r in steps_rows),
+        "reward_mean_steps_1_3": [r["reward/mean"] for r in rows if 1 <= r["step"] <= 3],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--ranks", default="1,2", help="comma-separated process counts")
+    parser.add_argument("--out", help="write every number to this JSON file")
+    args = parser.parse_args()
+    results = []
+    for ranks in [int(r) for r in args.ranks.split(",")]:
+        with tempfile.TemporaryDirectory() as tmp:
+            results.append(run(ranks, args.steps, Path(tmp)))
+    print(f"{'procs':>5} {'s/step':>7} " + " ".join(f"{p:>9}" for p in PHASES) + f" {'collect.':>9} {'peak GiB':>8}")
+    for r in results:
+        print(f"{r['ranks']:>5} {r['s_per_step']:>7.2f} " + " ".join(f"{r['phases_s'][p]:>9.3f}" for p in PHASES)
+              + f" {r['collective_s']:>9.3f} {r['peak_rss_gib']:>8.2f}")
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -63,8 +63,9 @@ def memory_lines(cfg: TrainConfig, shape: dict[str, Any] | None, world_size: int
         return [f"memory: {cfg.model.name_or_path} is not a local model directory; no estimate"]
     params = parameter_count(shape)
     gib = 2 ** 30
-    train = params * FP32_BYTES * 4 / world_size  # weights + grads + 2 Adam moments (sharded over ranks)
-    ref = params * FP32_BYTES / world_size if cfg.trainer.kl_coef > 0 else 0
+    # grads + 2 Adam moments are sharded over ranks; the weights are gathered whole during the passes (shard.py)
+    train = params * FP32_BYTES * (1 + 3 / world_size)
+    ref = params * FP32_BYTES / world_size if cfg.trainer.kl_coef > 0 else 0  # at rest (gathered for its pass)
     logits = cfg.trainer.logprob_chunk_tokens * shape["vocab_size"] * FP32_BYTES * 3  # logits, softmax, grad
     return [f"memory (fp32, per rank, estimate): {params / 1e6:.1f}M parameters -> policy + grads + AdamW "
             f"{train / gib:.2f} GiB, reference {ref / gib:.2f} GiB, one logits chunk {logits / gib:.3f} GiB; "
@@ -105,7 +106,7 @@ def warnings(cfg: TrainConfig) -> list[str]:
 
 
 def run_check(cfg: TrainConfig, run_dir: Any) -> int:
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    world_size = max(cfg.dist.world_size, int(os.environ.get("WORLD_SIZE", "1")))  # dist.* or plain torchrun
     print(f"grpo check: {cfg.task} | model {cfg.model.name_or_path} | {cfg.trainer.steps} steps")
     lines = batch_lines(cfg, world_size) + memory_lines(cfg, model_shape(cfg.model.name_or_path), world_size)
     for line in lines:

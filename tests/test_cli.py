@@ -239,6 +239,10 @@ def test_check_prints_the_batch_arithmetic_and_warns_about_settings_that_do_noth
     assert "parameters -> policy + grads + AdamW" in out.stdout  # read off the shipped model's config.json
     assert "no setting without effect found" in out.stdout and "HEAVY=\n" in out.stdout  # no model loaded
 
+    two = grpo("check", "recipe=bike_pricing", "dist.nproc_per_node=2")  # reads the process count, starts nothing
+    assert two.returncode == 0, two.stderr
+    assert "per rank (2): 4 prompts, 32 completions" in two.stdout
+
     warned = grpo("check", "recipe=bike_pricing", "trainer.policy_loss=gspo", "rollout.group_size=2")
     assert warned.returncode == 0, warned.stderr
     assert "trainer.policy_loss=gspo: with one optimizer step per batch the ratio is exactly 1" in warned.stdout

@@ -400,6 +400,13 @@ def _unknown_key(node: Any, schema: type, prefix: str) -> str | None:
     return None
 
 
+def _peer_failed(exc: BaseException) -> bool:
+    """Whether a collective failed because another rank's process went away (gloo: "Connection closed by
+    peer"): then this rank's error is a consequence, left to its log file."""
+    text = str(exc)
+    return "closed by peer" in text or "reset by peer" in text
+
+
 def _make_app(command: str) -> Callable[[], Any]:
     import hydra
 
@@ -437,6 +444,8 @@ def _make_app(command: str) -> Callable[[], Any]:
         except Exception as e:
             # Full traceback to the run's log file; one line on the terminal.
             log.exception("grpo %s crashed", command)
+            if who and _peer_failed(e):  # another rank died first: its line and the launcher's say why
+                sys.exit(1)
             where = f" (traceback in {run_dir / log_name(command, rank())})" if run_dir else ""
             _fail(command, f"{who}{type(e).__name__}: {e}{where}", code=1)
         if code:

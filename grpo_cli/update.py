@@ -92,6 +92,8 @@ def kl_into_advantages(batch: TrainBatch, groups: Any, cfg: TrainConfig, dist: A
     reward = groups.reward[kept].cpu() - cfg.trainer.kl_coef * penalty  # [P', G]
     advantages = grpo.ADVANTAGES[cfg.trainer.advantage](reward)  # [P', G]
     for mb in batch.micro_batches:
+        if not mb.rows:  # an empty pass (a rank with fewer groups, batch.py): nothing to re-weigh
+            continue
         rows = torch.tensor([list(batch.group_of[j]) for j in mb.rows])  # [b, 2]
         mb.advantages = advantages[rows[:, 0], rows[:, 1]].to(mb.mask.device)[:, None]  # [b, 1]
     return {"reward/kl_penalty": float(cfg.trainer.kl_coef * penalty.mean())}

@@ -29,11 +29,12 @@ WORKER = REPO / "tests" / "workers" / "partition_update.py"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # one thread per rank: two ranks share this machine's two cores
 
 
-def update_weights(tmp_path: Path, name: str, ranks: int, micro_batch_size: int, loss: str = "grpo") -> dict:
+def update_weights(tmp_path: Path, name: str, ranks: int, micro_batch_size: int, loss: str = "grpo",
+                   extra: str = "") -> dict:
     out = tmp_path / f"{name}.pt"
     launcher = [sys.executable] if ranks == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                     "--nproc-per-node", str(ranks)]
-    done = subprocess.run([*launcher, str(WORKER), str(out), str(micro_batch_size), loss], capture_output=True,
+    done = subprocess.run([*launcher, str(WORKER), str(out), str(micro_batch_size), loss, extra], capture_output=True,
                           text=True, timeout=300, env=ENV, cwd=REPO)
     assert done.returncode == 0, done.stderr[-3000:]
     return torch.load(out)
@@ -47,16 +48,16 @@ def assert_same_weights(a: dict, b: dict, rtol: float = 1e-5) -> None:
         assert diff <= rtol * scale, f"{name}: max |diff| {diff:.3g} > {rtol} x {scale:.3g}"
 
 
-@pytest.mark.parametrize("loss", ["grpo", "token_mean"])
-def test_the_update_does_not_depend_on_how_the_batch_is_split(tmp_path, loss):
-    """One rank with every sequence in one pass; two ranks (one of them idle in a minibatch, padded
-    passes) with 3 per pass; one rank with 1 per pass: the same weights (fp32, relative 1e-5)."""
-    whole = update_weights(tmp_path, "whole", 1, 64, loss)
-    two_ranks = update_weights(tmp_path, "two", 2, 3, loss)
+@pytest.mark.parametrize("loss,extra", [("grpo", ""), ("token_mean", ""), ("grpo", "kl_in_reward")])
+def test_the_update_does_not_depend_on_how_the_batch_is_split(tmp_path, loss, extra):
+    """One rank with every sequence in one pass; two ranks (uneven shares, padded passes) with 3 per
+    pass; one rank with 1 per pass: the same weights (fp32, relative 1e-5)."""
+    whole = update_weights(tmp_path, "whole", 1, 64, loss, extra)
+    two_ranks = update_weights(tmp_path, "two", 2, 3, loss, extra)
     assert_same_weights(whole["weights"], two_ranks["weights"])
     assert two_ranks["stats"]["loss"] == pytest.approx(whole["stats"]["loss"], rel=1e-5)
     assert two_ranks["stats"]["grad_norm"] == pytest.approx(whole["stats"]["grad_norm"], rel=1e-5)
-    if loss == "grpo":
+    if loss == "grpo" and not extra:
         one_per_pass = update_weights(tmp_path, "single", 1, 1, loss)
         assert_same_weights(whole["weights"], one_per_pass["weights"])
         assert one_per_pass["passes"] > whole["passes"]

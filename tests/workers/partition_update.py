@@ -1,5 +1,6 @@
 """One update on a fixed synthetic batch, at whatever world size torchrun gives (or 1 without it);
-rank 0 saves the full weights and the stats to argv[1]. argv[2] is trainer.micro_batch_size.
+rank 0 saves the full weights and the stats to argv[1]. argv[2] is trainer.micro_batch_size, argv[3]
+trainer.loss, argv[4] "kl_in_reward" to fold the KL into the rewards.
 
 Used by tests/test_distributed.py: 1 rank, 2 ranks and different micro-batch caps must give the
 same weights (the loss and gradient do not depend on how the batch is split)."""
@@ -27,7 +28,7 @@ def tiny(seed):
     return Qwen2ForCausalLM(config)
 
 
-def main(out_path, micro_batch_size, loss):
+def main(out_path, micro_batch_size, loss, kl_in_reward):
     torch.set_num_threads(1)
     dist = Dist.init("cpu")
     g = torch.Generator().manual_seed(1)
@@ -36,7 +37,8 @@ def main(out_path, micro_batch_size, loss):
     completion_ids = [[torch.randint(1, 40, (2 + (p + i) % 5,), generator=g).tolist() for i in range(G)]
                       for p in range(P)]
     advantages = torch.randn(P, G, generator=g)
-    keep = torch.tensor([True, True, False, True, True])  # a dropped group: the ranks' shares are uneven
+    # 3 groups kept, 2 minibatches of [2, 1] groups: in the second, rank 1 has no group at all (empty passes)
+    keep = torch.tensor([True, True, False, True, False])
     rollouts = Rollouts(prompt_ids, completion_ids, [[[-0.5] * len(c) for c in grp] for grp in completion_ids],
                         [["x"] * G for _ in range(P)], [[False] * G for _ in range(P)])
     none = torch.zeros(P, dtype=torch.bool)
@@ -45,6 +47,7 @@ def main(out_path, micro_batch_size, loss):
                     dropped=torch.zeros(P, G, dtype=torch.bool))
     cfg = TrainConfig(task="t", rewards=[RewardSpec(name="correct")], rollout=RolloutConfig(prompts_per_step=P),
                       trainer=TrainerConfig(lr=0.5, kl_coef=0.1, ppo_epochs=2, minibatches=2, loss=loss,
+                                            kl_in_reward=kl_in_reward,
                                             micro_batch_size=micro_batch_size, clip_eps=0.2))
     policy = shard_model(tiny(0).train(), dist)
     reference = shard_model(tiny(1).eval().requires_grad_(False), dist)
@@ -63,4 +66,5 @@ def main(out_path, micro_batch_size, loss):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), sys.argv[3] if len(sys.argv) > 3 else "grpo")
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3] if len(sys.argv) > 3 else "grpo",
+         len(sys.argv) > 4 and sys.argv[4] == "kl_in_reward")

@@ -51,9 +51,10 @@ def push_to_engine(engine: Any, policy: Any, optimizer: Any, cfg: TrainConfig, d
         engine.wake_kv_cache()
 
 
-def push_check(engine: Any, policy: Any, sequences: list[list[int]], prompt_lens: list[int], tol: float,
-               device: Any = "cpu", autocast: Any = None) -> float:
-    """Re-score a probe batch in the engine and compare with the trainer: stale weights stop the run."""
+def push_check(engine: Any, policy: Any, sequences: list[list[int]], prompt_lens: list[int], device: Any = "cpu",
+               autocast: Any = None) -> float:
+    """Re-score a probe batch in the engine and compare with the trainer: the worst mean |logprob difference|
+    over the probes (maybe_push_check stops the run when it is over the tolerance)."""
     import contextlib
 
     import torch
@@ -70,10 +71,12 @@ def push_check(engine: Any, policy: Any, sequences: list[list[int]], prompt_lens
             diff = (trainer_lp[n - 1:] - torch.tensor(elp[n - 1:], device=device)).abs()  # [T-n] completion tokens
             worst = max(worst, float(diff.mean()) if diff.numel() else 0.0)
     reshard_all(policy)
-    if worst > tol:
-        raise RuntimeError(f"the rollout engine holds stale weights: its logprobs differ from the trainer's by "
-                           f"{worst:.2e} (> rollout.push_check_tol={tol:g}) after a weight push")
     return worst
+
+
+def stale_weights_error(worst: float, tol: float, where: str = "") -> RuntimeError:
+    return RuntimeError(f"the rollout engine{where} holds stale weights: its logprobs differ from the trainer's by "
+                        f"{worst:.2e} (> rollout.push_check_tol={tol:g}) after a weight push")
 
 
 def maybe_push_check(engine: Any, policy: Any, batch: TrainBatch, step: int, cfg: RolloutConfig,
@@ -84,5 +87,9 @@ def maybe_push_check(engine: Any, policy: Any, batch: TrainBatch, step: int, cfg
     rows = range(min(PROBE_SEQUENCES, len(batch.completions)))
     prompts = [batch.prompt_tokens[batch.prompt_index[j]] for j in rows]
     worst = push_check(engine, policy, [ids + batch.completions[j] for j, ids in zip(rows, prompts)],
-                       [len(ids) for ids in prompts], cfg.push_check_tol, dist.device, lambda: dist.autocast(dtype))
-    return {"push_check/max_abs_diff": max(dist.gather(worst))}  # every rank checked its own engine
+                       [len(ids) for ids in prompts], dist.device, lambda: dist.autocast(dtype))
+    per_rank = dist.gather(worst)  # every rank checked its own engine; all stop together, naming the worst
+    stale = max(range(len(per_rank)), key=per_rank.__getitem__)
+    if per_rank[stale] > cfg.push_check_tol:
+        raise stale_weights_error(per_rank[stale], cfg.push_check_tol, f" of rank {stale}" if dist.world_size > 1 else "")
+    return {"push_check/max_abs_diff": per_rank[stale]}

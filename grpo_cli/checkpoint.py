@@ -235,6 +235,11 @@ def restore_trainer_state(state: dict[str, Any], optimizer: Any, scheduler: Any,
         load_legacy_optimizer(optimizer, model, state["optimizer"])
     elif path is not None and (Path(path) / OPTIMIZER_DIR).is_dir():
         load_optimizer(optimizer, model, Path(path) / OPTIMIZER_DIR, state["optimizer_param_groups"])
+    else:  # fresh moments would make the resumed run a different one
+        from grpo_cli.errors import UsageError
+
+        raise UsageError(f"resume: {path} has no optimizer state ({OPTIMIZER_DIR}/ is missing); copy the whole "
+                         "checkpoint directory")
     scheduler.load_state_dict(state["scheduler"])
     cursor.load_state_dict(state)
     random.setstate(state["python_rng"])

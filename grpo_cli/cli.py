@@ -445,7 +445,10 @@ def _make_app(command: str) -> Callable[[], Any]:
             # Full traceback to the run's log file; one line on the terminal.
             log.exception("grpo %s crashed", command)
             if who and _peer_failed(e):  # another rank died first: its line and the launcher's say why
-                sys.exit(1)
+                if os.environ.get("LOCAL_WORLD_SIZE") == os.environ.get("WORLD_SIZE"):
+                    sys.exit(1)  # one node: the failed rank's own line is on this terminal
+                _fail(command, f"{who}stopped: another rank's process went away (its node's output says why)",
+                      code=1)
             where = f" (traceback in {run_dir / log_name(command, rank())})" if run_dir else ""
             _fail(command, f"{who}{type(e).__name__}: {e}{where}", code=1)
         if code:

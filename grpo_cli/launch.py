@@ -22,9 +22,12 @@ import sys
 import time
 from typing import Any
 
-# Seconds the agent waits for the workers to finish after a Ctrl-C (they end the step and checkpoint)
-# or after another worker failed (they are stuck in a collective), before it kills them.
-SHUTDOWN_TIMEOUT_S = 120
+# How long the agent waits for the workers after a Ctrl-C (they end the step and checkpoint) or after
+# another worker failed (they are stuck in a collective) before it kills them:
+# dist.timeout_s is used: a step, an evaluation and a checkpoint must fit in it.
+
+
+LAUNCHER_PID_ENV = "GRPO_LAUNCHER_PID"  # the agent's pid, for a worker to see whether it is still there
 
 
 def under_launcher() -> bool:
@@ -68,7 +71,8 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     except OSError:
         return
-    if os.getppid() == 1:  # the launcher died before the call
+    launcher = os.environ.get(LAUNCHER_PID_ENV)  # set by `launch`; plain torchrun: not known, not checked
+    if launcher and os.getppid() != int(launcher):  # the launcher died before the call
         os._exit(1)
 
 
@@ -92,6 +96,7 @@ def launch(dist_cfg: Any, argv: list[str]) -> int:
 
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # the one line below says it
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # the workers' C++ start-up warnings (NUMA binding)
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     threads = max(1, (os.cpu_count() or 1) // dist_cfg.nproc_per_node)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))  # one share of the cores per worker
     if dist_cfg.nnodes == 1:  # torchrun --standalone: a private rendezvous on a free local port
@@ -101,7 +106,7 @@ def launch(dist_cfg: Any, argv: list[str]) -> int:
                 "rdzv_configs": {"rank": dist_cfg.node_rank, "timeout": dist_cfg.timeout_s}}
     config = LaunchConfig(min_nodes=dist_cfg.nnodes, max_nodes=dist_cfg.nnodes,
                           nproc_per_node=dist_cfg.nproc_per_node, max_restarts=0, monitor_interval=0.5,
-                          shutdown_timeout=SHUTDOWN_TIMEOUT_S, **rdzv)
+                          shutdown_timeout=dist_cfg.timeout_s, **rdzv)
     interrupted = []
     previous = signal.getsignal(signal.SIGINT)
     started = time.time()
@@ -110,13 +115,14 @@ def launch(dist_cfg: Any, argv: list[str]) -> int:
     except SignalException as e:
         interrupted.append(e.sigval)
     except ChildFailedError as e:
-        if interrupted or all(f.exitcode == 130 for f in e.failures.values()):
+        if all(f.exitcode == 130 for f in e.failures.values()):  # every rank stopped on a Ctrl-C, checkpointed
             return 130
         first_rank, first = min(e.failures.items(), key=lambda kv: kv[1].timestamp)
         code = first.exitcode if first.exitcode > 0 else 1
         print(f"grpo train: error: rank {first_rank} exited with {_describe(first.exitcode)} after "
-              f"{time.time() - started:.0f} s; the other ranks were stopped (its error is above; the traceback is in "
-              f"the run directory's {log_name('train', first_rank)})", file=sys.stderr)
+              f"{time.time() - started:.0f} s; the other ranks were stopped (the rank's own error line, if it could "
+              f"print one, is above; its traceback in the run directory's {log_name('train', first_rank)})",
+              file=sys.stderr)
         return code
     finally:
         signal.signal(signal.SIGINT, previous)

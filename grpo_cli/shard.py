@@ -52,6 +52,7 @@ def shard_model(model: Any, dist: Any) -> Any:
         return model
     import warnings
 
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     from grpo_cli.grpo import _body_and_head
@@ -59,10 +60,12 @@ def shard_model(model: Any, dist: Any) -> Any:
     # FSDP2 warns when a root's output is a view (an in-place op on it would skip its pre-backward hook).
     # The passes return logprobs built out of place (torch.cat, reshape) and nothing writes into them.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPShardedLM\) returned a view tensor")
+    # the mesh on the run's device type: without it FSDP2 picks CUDA whenever CUDA exists (trainer.device=cpu too)
+    mesh = init_device_mesh(torch.device(dist.device).type, (dist.world_size,))
     body, _ = _body_and_head(model)
     for layer in body.layers:
-        fully_shard(layer, reshard_after_forward=False)
-    root = fully_shard(ShardedLM(model), reshard_after_forward=False)
+        fully_shard(layer, mesh=mesh, reshard_after_forward=False)
+    root = fully_shard(ShardedLM(model), mesh=mesh, reshard_after_forward=False)
     for module in fsdp_modules(root):
         module.set_reshard_after_backward(False)
         module.set_force_sum_reduction_for_comms(True)  # plain SUM collectives (gloo has no PREMUL_SUM)

@@ -98,9 +98,13 @@ class RolloutConfig:
     sleep_level: int = 1  # 1: vLLM's weights go to host memory and its KV cache is dropped while the trainer steps; 2: both dropped
     dynamic_sampling: bool = False  # DAPO: sample more prompts until prompts_per_step groups have reward variance
     max_sampling_rounds: int = 4  # dynamic sampling: at most this many rounds of prompts_per_step prompts a step
+    tensor_parallel_size: int = 1  # consecutive ranks that share one vLLM engine (tensor parallel); 1 = an engine per rank
 
     def __post_init__(self) -> None:
         _require(self.engine in ("vllm", "hf"), "rollout.engine", f"'{self.engine}' is not one of vllm, hf")
+        _require(self.tensor_parallel_size >= 1, "rollout.tensor_parallel_size", "must be >= 1")
+        _require(self.tensor_parallel_size == 1 or self.engine == "vllm", "rollout.tensor_parallel_size",
+                 "splits a vLLM engine; rollout.engine=hf runs one per rank (set it to 1)")
         _require(self.max_sampling_rounds >= 1, "rollout.max_sampling_rounds", "must be >= 1")
         _require(self.sleep_mode in ("auto", "on", "off"), "rollout.sleep_mode",
                  f"'{self.sleep_mode}' is not one of auto, on, off")
@@ -280,6 +284,9 @@ class TrainConfig:
                  f"{self.trainer.minibatches} exceeds rollout.prompts_per_step={self.rollout.prompts_per_step}: "
                  "minibatches split the step's groups")
         world = self.dist.world_size
+        _require(world % self.rollout.tensor_parallel_size == 0, "rollout.tensor_parallel_size",
+                 f"{self.rollout.tensor_parallel_size} does not divide the {world} processes (dist.nproc_per_node x "
+                 "dist.nnodes): each engine spans that many of them")
         _require(self.rollout.prompts_per_step % world == 0, "rollout.prompts_per_step",
                  f"{self.rollout.prompts_per_step} does not split over {world} processes (dist.nproc_per_node x "
                  "dist.nnodes); make it a multiple of the process count")

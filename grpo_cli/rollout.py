@@ -110,9 +110,9 @@ class VLLMEngine:
             kwargs["kv_cache_memory_bytes"] = int(rollout.kv_cache_gib * 2**30)
             kwargs["max_num_batched_tokens"] = CPU_MAX_BATCHED_TOKENS
             kwargs["max_num_seqs"] = CPU_MAX_SEQS
-        if world_size > 1:  # one engine inside each torchrun rank, on the job's process group (shared/DESIGN.md)
+        if world_size > 1:  # engines inside the torchrun ranks, on the job's process group (shared/DESIGN.md)
             kwargs["distributed_executor_backend"] = "external_launcher"
-            kwargs["tensor_parallel_size"] = 1
+            kwargs["tensor_parallel_size"] = rollout.tensor_parallel_size  # consecutive ranks share one engine
         self.llm = LLM(
             model=model_path,
             dtype=model.dtype,
@@ -301,17 +301,22 @@ def _logits(model: Any, ids: Any) -> Any:
 
 
 class ShardedEngine:
-    """A rank's engine inside a multi-process job: `generate` samples this rank's share of the prompts
+    """A rank's engine inside a multi-process job: `generate` samples this engine's share of the prompts
     (with their own seeds, so a prompt's samples do not depend on the world size) and returns every
-    rank's, gathered in prompt order. Pushes and the push check stay on this rank's engine."""
+    engine's, gathered in prompt order. With rollout.tensor_parallel_size = T, ranks T*e .. T*e+T-1
+    share engine e: they submit the same prompts and get the same outputs. Every rank pushes the full
+    weights (each tensor-parallel rank loads its part) and runs the push check."""
 
-    def __init__(self, engine: Any, dist: Any) -> None:
-        self.engine, self.dist = engine, dist
+    def __init__(self, engine: Any, dist: Any, tensor_parallel_size: int = 1) -> None:
+        self.engine, self.dist, self.tp = engine, dist, tensor_parallel_size
         self.tokenizer = getattr(engine, "tokenizer", None)
 
     def generate(self, prompt_ids: list[list[int]], group_size: int, temperature: float, top_p: float,
                  max_new_tokens: int, seeds: list[int]) -> Rollouts:
-        mine = self.dist.share(len(prompt_ids))
+        engines, index = self.dist.world_size // self.tp, self.dist.rank // self.tp
+        size, extra = divmod(len(prompt_ids), engines)  # this engine's contiguous share, as Dist.share
+        start = index * size + min(index, extra)
+        mine = range(start, start + size + (index < extra))
         part = self.engine.generate(prompt_ids[mine.start:mine.stop], group_size, temperature, top_p,
                                     max_new_tokens, seeds[mine.start:mine.stop]) if len(mine) else \
             Rollouts([], [], [], [], [])
@@ -320,7 +325,7 @@ class ShardedEngine:
 
             gather_all(self.engine.policy)  # pairs with the other ranks' gather in HFEngine.generate
             reshard_all(self.engine.policy)
-        parts = self.dist.gather(part)
+        parts = self.dist.gather(part)[:: self.tp]  # one copy per engine (its tensor-parallel ranks agree)
         return Rollouts(*[sum((getattr(r, f) for r in parts), []) for f in
                           ("prompt_ids", "completion_ids", "sampling_logprobs", "texts", "truncated")])
 
@@ -357,4 +362,4 @@ def build_engine(name: str, model_path: str, model: ModelConfig, rollout: Rollou
         "hf": lambda: HFEngine(policy, tokenizer, autocast),
     }
     engine = builders[name]()
-    return ShardedEngine(engine, dist) if world > 1 else engine
+    return ShardedEngine(engine, dist, rollout.tensor_parallel_size) if world > 1 else engine

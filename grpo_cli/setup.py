@@ -49,6 +49,9 @@ def preflight(cfg: TrainConfig) -> Task:
         if not torch.cuda.is_available():
             raise UsageError(f"trainer.device={cfg.trainer.device}: no CUDA device here; use trainer.device=auto or cpu")
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world % cfg.rollout.tensor_parallel_size:
+        raise UsageError(f"rollout.tensor_parallel_size: {cfg.rollout.tensor_parallel_size} does not divide the "
+                         f"{world} processes (WORLD_SIZE): each engine spans that many of them")
     if world > 1 and cfg.rollout.prompts_per_step % world:  # plain torchrun: the config did not know the count
         raise UsageError(f"rollout.prompts_per_step: {cfg.rollout.prompts_per_step} does not split over {world} "
                          "processes (WORLD_SIZE); make it a multiple of the process count")

@@ -117,6 +117,20 @@ def test_two_ranks_with_vllm_write_one_run_that_transformers_and_vllm_load(tmp_p
     assert written["num_problems"] == 8 and 0.0 <= written["pass@1"] <= 1.0
 
 
+def test_two_ranks_can_share_one_tensor_parallel_vllm_engine(tmp_path):
+    out = tmp_path / "runs"
+    done = subprocess.run([sys.executable, "-m", "grpo_cli", "train", "recipe=bike_pricing", "dist.nproc_per_node=2",
+                           "rollout.tensor_parallel_size=2", "trainer.steps=2", "eval.num_problems=8",
+                           "rollout.push_check_every=1", f"output_dir={out}"],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    metrics = metrics_of(run_dir_of(out))
+    assert [m["step"] for m in metrics] == [0, 1, 2]
+    for m in metrics[1:]:  # the engine's two halves took every push
+        assert m["push_check/max_abs_diff"] < 1e-3
+        assert m["samples"] == 64  # all 8 prompts once (one engine), not twice
+
+
 REWARD_MODULE = '''
 def digit_share(completions, **kwargs):
     return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]

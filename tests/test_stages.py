@@ -131,6 +131,11 @@ def test_a_batch_that_does_not_split_over_the_processes_is_refused_before_any_mo
 
     with pytest.raises(UsageError, match=r"rollout.prompts_per_step: 8 does not split over 3 processes"):
         load_config("train", ["recipe=bike_pricing", "dist.nproc_per_node=3"])
+    with pytest.raises(UsageError, match=r"rollout.tensor_parallel_size: 2 does not divide the 1 processes"):
+        load_config("train", ["recipe=bike_pricing", "rollout.tensor_parallel_size=2"])
+    with pytest.raises(UsageError, match=r"rollout.tensor_parallel_size: splits a vLLM engine"):
+        load_config("train", ["recipe=bike_pricing", "rollout.tensor_parallel_size=2", "rollout.engine=hf",
+                              "dist.nproc_per_node=2"])
     cfg = load_config("train", ["recipe=bike_pricing"])  # plain torchrun: only WORLD_SIZE knows the count
     monkeypatch.setenv("WORLD_SIZE", "3")
     with pytest.raises(UsageError, match=r"8 does not split over 3 processes \(WORLD_SIZE\)"):

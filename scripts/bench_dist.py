@@ -2,6 +2,7 @@
 
     python scripts/bench_dist.py                    # 1 vs 2 processes, 30 steps each (about 6 minutes on 2 cores)
     python scripts/bench_dist.py --steps 10 --ranks 1,2 --out dist.json
+    python scripts/bench_dist.py --ranks 2 --extra rollout.tensor_parallel_size=2   # one engine over both ranks
 
 Each configuration runs `grpo train recipe=bike_pricing trainer.steps=STEPS` in its own
 subprocess, one after another (nothing else shares the CPU), with no held-out evaluation
@@ -36,11 +37,12 @@ from pathlib import Path
 PHASES = ("generate", "reward", "logprobs", "update", "push")
 
 
-def run(ranks: int, steps: int, out_dir: Path) -> dict:
+def run(ranks: int, steps: int, out_dir: Path, extra: list[str]) -> dict:
     cmd = [sys.executable, "-m", "grpo_cli", "train", "recipe=bike_pricing", f"trainer.steps={steps}", "eval.every=0",
            "eval.num_problems=8", "checkpoint.every=0", "rollout.push_check_every=0", f"output_dir={out_dir}"]
     if ranks > 1:
         cmd.append(f"dist.nproc_per_node={ranks}")
+    cmd += extra if ranks > 1 else []
     started = time.time()
     done = subprocess.run(cmd, capture_output=True, text=True)
     wall = time.time() - started
@@ -67,11 +69,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--ranks", default="1,2", help="comma-separated process counts")
     parser.add_argument("--out", help="write every number to this JSON file")
+    parser.add_argument("--extra", nargs="*", default=[],
+                        help="overrides for the multi-process runs, e.g. rollout.tensor_parallel_size=2")
     args = parser.parse_args()
     results = []
     for ranks in [int(r) for r in args.ranks.split(",")]:
         with tempfile.TemporaryDirectory() as tmp:
-            results.append(run(ranks, args.steps, Path(tmp)))
+            results.append(run(ranks, args.steps, Path(tmp), args.extra))
     print(f"{'procs':>5} {'s/step':>7} " + " ".join(f"{p:>9}" for p in PHASES) + f" {'collect.':>9} {'peak GiB':>8}")
     for r in results:
         print(f"{r['ranks']:>5} {r['s_per_step']:>7.2f} " + " ".join(f"{r['phases_s'][p]:>9.3f}" for p in PHASES)

@@ -142,10 +142,12 @@ def _split(n: int, parts: int) -> list[range]:
 
 
 def rank_share(slots: range, rank: int, world_size: int) -> range:
-    """Rank `rank`'s contiguous part of a minibatch's groups (whole groups, so each prompt runs on one rank)."""
-    parts = [range(slots.start + r.start, slots.start + r.stop) for r in _split(len(slots), world_size)]
-    parts += [range(slots.stop, slots.stop)] * (world_size - len(parts))  # fewer groups than ranks: some idle
-    return parts[rank]
+    """Rank `rank`'s contiguous part of a minibatch's groups (whole groups, so each prompt runs on one rank);
+    empty for some ranks when there are fewer groups than ranks."""
+    from grpo_cli.dist import contiguous_share
+
+    share = contiguous_share(len(slots), rank, world_size)
+    return range(slots.start + share.start, slots.start + share.stop)
 
 
 def _passes(batch: TrainBatch, rows: list[int], cfg: TrainerConfig) -> list[list[int]]:

@@ -77,16 +77,8 @@ def concat_groups(parts: list[Groups]) -> Groups:
 
     if len(parts) == 1:
         return parts[0]
-    r = [g.rollouts for g in parts]
-    rollouts = Rollouts(*[sum((getattr(x, f) for x in r), []) for f in
-                          ("prompt_ids", "completion_ids", "sampling_logprobs", "texts", "truncated")])
-    scored = Scores(sum((g.scored.total for g in parts), []),
-                    {name: sum((g.scored.per_function[name] for g in parts), []) for name in parts[0].scored.per_function},
-                    sum((g.scored.dropped for g in parts), []))
-    failures = RewardFailures()
-    for g in parts:
-        failures.counts.update(g.failures.counts)
-        failures.last_error.update(g.failures.last_error)
+    rollouts = Rollouts.concat([g.rollouts for g in parts])
+    scored, failures = merge_scores([(g.scored, g.failures) for g in parts])
     tensors = [torch.cat([getattr(g, f) for g in parts]) for f in
                ("reward", "advantages", "all_correct", "all_wrong", "keep")]
     return Groups(sum((g.rows for g in parts), []), sum((g.prompt_ids for g in parts), []), rollouts, scored,
@@ -155,7 +147,8 @@ def score_groups(rows: list[dict[str, Any]], prompt_ids: list[list[int]], rollou
 
 
 def merge_scores(parts: list[tuple[Scores, RewardFailures]]) -> tuple[Scores, RewardFailures]:
-    """The ranks' (scores, failures) of consecutive shares of a step's samples as one, in rank order."""
+    """(scores, failures) of consecutive parts of the samples as one, in order (the ranks' shares of a
+    step, or the rounds of dynamic sampling)."""
     names = list(parts[0][0].per_function)
     scored = Scores(sum((s.total for s, _ in parts), []), {n: sum((s.per_function[n] for s, _ in parts), [])
                                                            for n in names},

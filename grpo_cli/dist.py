@@ -28,6 +28,14 @@ def _timed() -> Iterator[None]:
         COLLECTIVE_SECONDS[0] += time.perf_counter() - tick
 
 
+def contiguous_share(count: int, index: int, parts: int) -> range:
+    """Part `index` of 0..count-1 cut into `parts` contiguous pieces (the first ones one longer when it does
+    not divide; the last ones empty when count < parts): ranks' prompts, an engine's prompts, a rank's groups."""
+    size, extra = divmod(count, parts)
+    start = index * size + min(index, extra)
+    return range(start, start + size + (index < extra))
+
+
 @dataclass(frozen=True)
 class Dist:
     rank: int = 0  # this process's index in the job, 0..world_size-1
@@ -107,9 +115,7 @@ class Dist:
 
     def share(self, count: int) -> range:
         """This rank's contiguous part of `count` items (the first ranks take one more when it does not divide)."""
-        size, extra = divmod(count, self.world_size)
-        start = self.rank * size + min(self.rank, extra)
-        return range(start, start + size + (self.rank < extra))
+        return contiguous_share(count, self.rank, self.world_size)
 
     def gather(self, obj: Any) -> list[Any]:
         """Every rank's `obj` (picklable), in rank order, on every rank."""

@@ -44,6 +44,12 @@ class Rollouts:
     def num_tokens(self) -> int:
         return sum(len(c) for group in self.completion_ids for c in group)
 
+    @classmethod
+    def concat(cls, parts: list[Rollouts]) -> Rollouts:
+        """Several parts' prompts, in order, as one (sampling rounds, the engines of a job)."""
+        return cls(*[sum((getattr(r, f) for r in parts), []) for f in
+                     ("prompt_ids", "completion_ids", "sampling_logprobs", "texts", "truncated")])
+
 
 def sample_seeds(run_seed: int, step: int, num_prompts: int, stream: int = 0) -> list[int]:
     """One sampling seed per prompt, a pure function of (run seed, step, prompt, stream).
@@ -313,10 +319,9 @@ class ShardedEngine:
 
     def generate(self, prompt_ids: list[list[int]], group_size: int, temperature: float, top_p: float,
                  max_new_tokens: int, seeds: list[int]) -> Rollouts:
-        engines, index = self.dist.world_size // self.tp, self.dist.rank // self.tp
-        size, extra = divmod(len(prompt_ids), engines)  # this engine's contiguous share, as Dist.share
-        start = index * size + min(index, extra)
-        mine = range(start, start + size + (index < extra))
+        from grpo_cli.dist import contiguous_share
+
+        mine = contiguous_share(len(prompt_ids), self.dist.rank // self.tp, self.dist.world_size // self.tp)
         part = self.engine.generate(prompt_ids[mine.start:mine.stop], group_size, temperature, top_p,
                                     max_new_tokens, seeds[mine.start:mine.stop]) if len(mine) else \
             Rollouts([], [], [], [], [])
@@ -325,9 +330,7 @@ class ShardedEngine:
 
             gather_all(self.engine.policy)  # pairs with the other ranks' gather in HFEngine.generate
             reshard_all(self.engine.policy)
-        parts = self.dist.gather(part)[:: self.tp]  # one copy per engine (its tensor-parallel ranks agree)
-        return Rollouts(*[sum((getattr(r, f) for r in parts), []) for f in
-                          ("prompt_ids", "completion_ids", "sampling_logprobs", "texts", "truncated")])
+        return Rollouts.concat(self.dist.gather(part)[:: self.tp])  # one copy per engine (its TP ranks agree)
 
     def push_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
         self.engine.push_weights(named_tensors)

@@ -151,12 +151,15 @@ def test_each_rank_takes_a_contiguous_share_and_the_shares_cover_everything():
 
 
 WORKER = textwrap.dedent('''
+    import os
+
     from grpo_cli.dist import Dist
     dist = Dist.init()
     total = dist.sum([float(dist.rank + 1), 0.5])
     agreed = dist.all(dist.rank == 0)
     sent = dist.broadcast({"from": dist.rank})
-    print(f"rank {dist.rank}/{dist.world_size} main={dist.is_main} sum={total} all={agreed} got={sent['from']}")
+    line = f"rank {dist.rank}/{dist.world_size} main={dist.is_main} sum={total} all={agreed} got={sent['from']}\\n"
+    os.write(1, line.encode())  # one write per rank: print's text and newline could interleave with the other rank's
     dist.barrier()
 ''')
 

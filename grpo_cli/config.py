@@ -23,7 +23,7 @@ BUILTIN_MODEL = "builtin:bike_base"  # the small model shipped inside the packag
 LOSS_NAMES = ("grpo", "token_mean", "dr_grpo")
 POLICY_LOSS_NAMES = ("ppo_clip", "gspo")
 KL_ESTIMATOR_NAMES = ("k1", "k2", "k3")
-ADVANTAGE_NAMES = ("group_std", "group_mean", "batch_std", "rloo")
+ADVANTAGE_NAMES = ("group_std", "group_mean", "batch_std", "reinforce_pp_baseline", "rloo")
 CORRECTION_NAMES = ("none", "tis", "seq_mask")
 
 
@@ -137,7 +137,7 @@ class TrainerConfig:
     kl_coef: float = 0.02  # weight of the KL penalty to the frozen reference; 0 loads no reference model
     kl_estimator: str = "k3"  # per-token KL estimator: "k1" (logp - ref) | "k2" ((logp - ref)^2 / 2) | "k3" (exp(d) - d - 1)
     kl_in_reward: bool = False  # subtract kl_coef * (sequence's summed KL) from the reward instead of adding it to the loss
-    advantage: str = "group_std"  # "group_std" (GRPO) | "group_mean" (Dr. GRPO, no std) | "batch_std" | "rloo" (leave-one-out)
+    advantage: str = "group_std"  # "group_std" (GRPO) | "group_mean" (Dr. GRPO, no std) | "batch_std" (raw-reward batch std) | "reinforce_pp_baseline" (centred-reward batch std) | "rloo" (leave-one-out)
     reward_round_decimals: int | None = None  # round summed rewards before normalising (damps noise in graded rewards)
     filter_zero_variance: bool = False  # drop groups whose rewards are all equal from the loss
     loss: str = "grpo"  # aggregation: "grpo" (per-sequence token mean) | "token_mean" (DAPO) | "dr_grpo" (sum / max_new_tokens)

@@ -67,11 +67,22 @@ def group_mean_advantages(rewards: torch.Tensor) -> torch.Tensor:
 
 
 def batch_std_advantages(rewards: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """Group mean as the baseline, std over the whole batch: `A_i = (r_i - mean_group(r)) / (std_batch(r) + eps)`
-    (Hu et al. 2025, REINFORCE++ baseline): one scale for every group, so a nearly-solved group's
-    tiny spread is not blown up to unit size."""
+    """Group mean as the baseline, the std of the RAW rewards over the whole batch as the scale:
+    `A_i = (r_i - mean_group(r)) / (std_batch(r) + eps)`, TRL's `scale_rewards="batch"` (TRL takes the
+    sample std, n - 1; this is the population std, as in `group_std`). One scale for every group, so a
+    nearly-solved group's tiny spread is not blown up to unit size."""
     centered = group_advantages(rewards, scale_by_std=False)  # [P, G]
     std = rewards.float().std(correction=0) if rewards.numel() > 1 else rewards.new_zeros(())  # scalar, all P*G
+    return centered / (std + eps)  # [P, G]
+
+
+def reinforce_pp_baseline_advantages(rewards: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """REINFORCE++-baseline (Hu et al. 2025, arXiv 2501.03262): the group mean as the baseline, then the
+    batch std of the GROUP-CENTRED rewards as the scale: `c_i = r_i - mean_group(r)`, `A_i = c_i /
+    (std_batch(c) + eps)`. The c_i of a batch have mean 0, so this is whitening over the batch's samples.
+    verl whitens over tokens instead (each sample weighs by its length); this weighs every sample once."""
+    centered = group_advantages(rewards, scale_by_std=False)  # [P, G]
+    std = centered.std(correction=0) if centered.numel() > 1 else centered.new_zeros(())  # scalar, all P*G
     return centered / (std + eps)  # [P, G]
 
 
@@ -86,7 +97,8 @@ def rloo_advantages(rewards: torch.Tensor) -> torch.Tensor:
 # trainer.advantage picks one by name. Every one gives exact zeros to a group whose rewards are all equal.
 ADVANTAGES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "group_std": group_std_advantages, "group_mean": group_mean_advantages,
-    "batch_std": batch_std_advantages, "rloo": rloo_advantages}
+    "batch_std": batch_std_advantages, "reinforce_pp_baseline": reinforce_pp_baseline_advantages,
+    "rloo": rloo_advantages}
 
 
 def masked_advantages(advantage_fn: Callable[[torch.Tensor], torch.Tensor], rewards: torch.Tensor,

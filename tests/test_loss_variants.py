@@ -36,6 +36,19 @@ def test_batch_std_and_rloo_advantages_by_hand():
     torch.testing.assert_close(grpo.group_mean_advantages(torch.tensor([[3.0, 1.0]])), torch.tensor([[1.0, -1.0]]))
 
 
+def test_batch_std_and_reinforce_pp_baseline_divide_by_different_stds():
+    """Both centre each group on its mean; batch_std divides by the std of the RAW rewards over the batch
+    (TRL's scale_rewards="batch"), reinforce_pp_baseline by the std of the GROUP-CENTRED rewards (REINFORCE++-
+    baseline). On these rewards the two stds are 0.471 and 0.354."""
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 0.0], [1.0, 1.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0]])  # [P=3, G=4]
+    centred = rewards - rewards.mean(-1, keepdim=True)  # [P, G]
+    raw_std, centred_std = math.sqrt(2 / 9), math.sqrt(0.125)  # 0.471, 0.354
+    assert rewards.std(correction=0).item() == pytest.approx(raw_std)
+    assert centred.std(correction=0).item() == pytest.approx(centred_std)
+    torch.testing.assert_close(grpo.ADVANTAGES["batch_std"](rewards), centred / raw_std)
+    torch.testing.assert_close(grpo.ADVANTAGES["reinforce_pp_baseline"](rewards), centred / centred_std)
+
+
 @pytest.mark.parametrize("name", list(grpo.ADVANTAGES))
 def test_every_advantage_gives_exact_zeros_to_equal_groups_and_to_a_group_of_one(name):
     fn = grpo.ADVANTAGES[name]

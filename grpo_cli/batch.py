@@ -85,6 +85,7 @@ class Minibatch:
     prompt_mask: Any  # [p, Tp]
     micro_batches: list[MicroBatch]  # its forward/backward passes
     normalizer: float  # its loss normalizer (grpo.NORMALIZERS over all its completions, on every rank)
+    rows: list[int] = field(default_factory=list)  # its completions (every rank's) in TrainBatch.completions
 
 
 @dataclass
@@ -164,8 +165,6 @@ def _minibatch(batch: TrainBatch, rows: list[int], slots: range, seq_adv: list[f
     and FSDP's collectives pair up."""
     import torch
 
-    from grpo_cli import grpo
-
     def rows_of(share: range) -> list[int]:
         return [j for j in rows if batch.group_of[j][0] in share]
 
@@ -192,6 +191,13 @@ def _minibatch(batch: TrainBatch, rows: list[int], slots: range, seq_adv: list[f
         passes.append(MicroBatch(rows=[], prompt_index=torch.zeros(1, dtype=torch.long, device=dist.device),
                                  ids=ids, mask=mask, advantages=torch.zeros(1, 1, device=dist.device),
                                  sampling_logprobs=torch.zeros_like(mask)))
-    normalizer = grpo.NORMALIZERS[cfg.loss](pad_rows([batch.completions[j] for j in rows], pad_id, dist.device)[1],
-                                            loss_params)  # the whole minibatch's, on every rank alike
-    return Minibatch(prompt_ids, prompt_mask, passes, normalizer)
+    normalizer = minibatch_normalizer([batch.completions[j] for j in rows], cfg.loss, loss_params)
+    return Minibatch(prompt_ids, prompt_mask, passes, normalizer, rows)
+
+
+def minibatch_normalizer(completions: list[list[int]], loss: str, loss_params: Any) -> float:
+    """What every micro-batch of a minibatch divides its loss by: grpo.NORMALIZERS[loss] over the
+    minibatch's completions in the loss (every rank's, so all ranks divide by the same number)."""
+    from grpo_cli import grpo
+
+    return grpo.NORMALIZERS[loss](pad_rows(completions, 0)[1], loss_params)

@@ -419,7 +419,7 @@ class LossParams(NamedTuple):
     seq_mask_low: float = 0.5  # seq_mask: sequences whose geometric-mean ratio falls below this leave the loss...
     seq_mask_high: float = 2.0  # ...or rises above this
     entropy_coef: float = 0.0  # weight of an entropy bonus (needs LossInputs.entropy when > 0)
-    max_new_tokens: int = 1  # dr_grpo: the constant each sequence's token sum is divided by
+    max_new_tokens: int | None = None  # dr_grpo: the constant each sequence's token sum is divided by (required there)
 
 
 DEFAULT_PARAMS = LossParams()  # symmetric clip at 0.2, no KL
@@ -467,31 +467,39 @@ def dual_clip(objective: torch.Tensor, ratio: torch.Tensor, adv: torch.Tensor, c
     return torch.where(adv < 0, torch.maximum(objective, clip_ratio_c * adv), objective)  # [B, T]
 
 
-# -- mismatch corrections: (old [B, T], sampling [B, T], mask, params) -> detached weights [B, T] or None
+# -- mismatch corrections: (old [B, T], sampling [B, T], mask, params) -> (policy weights [B, T] | None,
+#    kept samples [B, 1] | None), both detached. A weight scales a token's policy term; a sample that is
+#    not kept leaves the loss entirely (its policy, KL and entropy terms, and the normalizer).
 
 
 def no_correction(old, sampling, mask, params):
-    """Trust the engine's samples as the trainer's own: no weights."""
-    return None
+    """Trust the engine's samples as the trainer's own: no weights, every sample kept."""
+    return None, None
 
 
 def tis_correction(old, sampling, mask, params):
     """Truncated importance sampling (Yao et al. 2025) against the rollout engine: each token's policy
     term weighs `min(exp(old_t - sampling_t), C)`, the trainer's probability of the sampled token over
-    the engine's, capped at C = tis_cap."""
+    the engine's, capped at C = tis_cap. The KL and entropy terms are not reweighted."""
     with torch.no_grad():
-        return torch.clamp(torch.exp(old - sampling), max=params.tis_cap)  # [B, T]
+        return torch.clamp(torch.exp(old - sampling), max=params.tis_cap), None  # [B, T], None
+
+
+def seq_mask_keep(old: torch.Tensor, sampling: torch.Tensor, mask: torch.Tensor, params: LossParams) -> torch.Tensor:
+    """Which samples a sequence-level rejection keeps: those whose geometric-mean ratio trainer/engine
+    `exp(1/|o| sum_t (old_t - sampling_t))` lies in [seq_mask_low, seq_mask_high]. The loop calls it
+    before the update too, to leave the rejected samples out of the minibatch's normalizer."""
+    with torch.no_grad():
+        m = mask.to(old.dtype)  # [B, T]
+        log_ratio = ((old - sampling) * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1)  # [B, 1]
+        ratio = torch.exp(log_ratio)  # [B, 1]
+        return (ratio >= params.seq_mask_low) & (ratio <= params.seq_mask_high)  # [B, 1]
 
 
 def seq_mask_correction(old, sampling, mask, params):
-    """Sequence-level rejection: a sample whose geometric-mean ratio `exp(1/|o| sum_t (old_t - sampling_t))`
-    leaves [seq_mask_low, seq_mask_high] gets weight 0 on every token (it leaves the policy term); the
-    rest weigh 1."""
-    with torch.no_grad():
-        m = mask.to(old.dtype)  # [B, T]
-        ratio = torch.exp(((old - sampling) * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1))  # [B, 1]
-        inside = (ratio >= params.seq_mask_low) & (ratio <= params.seq_mask_high)  # [B, 1]
-        return inside.to(old.dtype).expand_as(old)  # [B, T]
+    """Sequence-level rejection sampling (verl's rollout rejection at the sequence level): a sample whose
+    geometric-mean ratio leaves [seq_mask_low, seq_mask_high] leaves the loss; the rest weigh 1."""
+    return None, seq_mask_keep(old, sampling, mask, params)  # None, [B, 1]
 
 
 # trainer.mismatch_correction picks one by name.
@@ -499,24 +507,28 @@ CORRECTIONS = {"none": no_correction, "tis": tis_correction, "seq_mask": seq_mas
 
 
 def _per_token_terms(batch: LossInputs, params: LossParams):
-    """Shared by every aggregation: the per-token loss and the statistics of one (micro-)batch.
+    """Shared by every aggregation: the per-token loss, the mask of the tokens in the loss, and the
+    statistics of one (micro-)batch.
 
-    per token: `-(w * policy_objective - kl_coef * KL + entropy_coef * H)`, w the correction's weight.
+    per token: `-(w * policy_objective - kl_coef * KL + entropy_coef * H)`, w the correction's weight,
+    on the completion tokens of the samples the correction keeps. The statistics are token means over
+    every completion token of the batch, rejected samples included (they measure the batch).
     """
     logprobs, ref_logprobs, kl_coef = batch.logprobs, batch.ref_logprobs, params.kl_coef
     if ref_logprobs is None and kl_coef != 0:
         raise ValueError(f"kl_coef={kl_coef} needs ref_logprobs; pass them or set kl_coef=0")
-    mask = batch.mask.bool()  # [B, T]
+    completion = batch.mask.bool()  # [B, T]
     old = logprobs.detach() if batch.old_logprobs is None else batch.old_logprobs  # [B, T]
     adv = batch.advantages.reshape(-1, 1).to(logprobs.dtype)  # [B, 1]
-    ratio, objective, is_clipped = POLICY_TERMS[params.policy_loss](logprobs, old, adv, mask, params)  # [B, T] x 3
+    ratio, objective, is_clipped = POLICY_TERMS[params.policy_loss](logprobs, old, adv, completion, params)  # [B, T] x 3
     if params.clip_ratio_c is not None:
         objective = dual_clip(objective, ratio, adv, params.clip_ratio_c)  # [B, T]
     if params.correction != "none" and batch.sampling_logprobs is None:
         raise ValueError(f"correction={params.correction} needs sampling_logprobs")
-    weight = CORRECTIONS[params.correction](old, batch.sampling_logprobs, mask, params)  # [B, T] or None
+    weight, kept = CORRECTIONS[params.correction](old, batch.sampling_logprobs, completion, params)  # [B, T], [B, 1]
     if weight is not None:
         objective = weight * objective  # [B, T]
+    mask = completion if kept is None else completion & kept  # [B, T] the tokens in the loss
     kl = KL_ESTIMATORS[params.kl_estimator](logprobs, ref_logprobs) if ref_logprobs is not None \
         else torch.zeros_like(logprobs)  # [B, T]
     inner = objective - kl_coef * kl  # [B, T]
@@ -530,12 +542,13 @@ def _per_token_terms(batch: LossInputs, params: LossParams):
     if batch.entropy is not None:
         names, terms = names + ["entropy"], terms + [batch.entropy]
     if weight is not None:
-        names += ["correction/weight", "correction/masked_frac"]
-        terms += [weight, (weight == 0).to(kl.dtype)]
+        names, terms = names + ["correction/weight"], terms + [weight]
+    if kept is not None:
+        names, terms = names + ["correction/masked_frac"], terms + [(~kept).to(kl.dtype).expand_as(kl)]
     with torch.no_grad():
-        tokens = mask.sum()  # scalar: completion tokens in this batch
+        tokens = completion.sum()  # scalar: completion tokens in this batch
         stacked = torch.stack([t.detach() for t in terms])  # [n, B, T]
-        means = torch.where(mask, stacked, 0.0).sum(dim=(1, 2)) / tokens.clamp(min=1)  # [n]
+        means = torch.where(completion, stacked, 0.0).sum(dim=(1, 2)) / tokens.clamp(min=1)  # [n]
         values = torch.cat([means, tokens.reshape(1).to(means.dtype)]).tolist()  # one device sync
     stats = dict(zip([*names, "tokens"], values, strict=True))
     return per_token, mask, stats  # [B, T], [B, T], dict
@@ -559,19 +572,20 @@ def grpo_loss(batch: LossInputs, params: LossParams = DEFAULT_PARAMS) -> tuple[t
     per token when they are long (a length bias). `token_mean_loss` (DAPO) weighs every
     token equally; `dr_grpo_loss` divides by a constant instead.
 
-    N is `batch.normalizer`; default: the B sequences here. For micro-batches pass the FULL
-    batch's `NORMALIZERS["grpo"](full_mask, params)` (its number of sequences) to each micro-batch
-    and sum (backward) the micro-batch losses as they are; equivalently, with the default, scale
-    each micro-batch loss by `micro_seqs / total_seqs`. A sequence with no completion tokens
-    contributes 0 (its denominator is clamped to 1).
+    N is `batch.normalizer`; default: the sequences here that are in the loss (with at least one
+    completion token and not rejected by the correction). For micro-batches pass the FULL batch's
+    `NORMALIZERS["grpo"](full_mask, params)` (its number of sequences in the loss) to each
+    micro-batch and sum (backward) the micro-batch losses as they are; equivalently, with the
+    default, scale each micro-batch loss by `micro_seqs / total_seqs`.
 
     Returns the scalar loss and float stats: every key but `tokens` is a token mean over this
     batch's completion tokens (kl, clip_frac, ratio, surrogate; entropy and correction/* when
-    present); `tokens` is their count, the weight that merges micro-batches' means into the batch's.
+    present; rejected samples included); `tokens` is their count, the weight that merges micro-batches'
+    means into the batch's.
     """
     per_token, mask, stats = _per_token_terms(batch, params)  # [B, T], [B, T]
     per_sequence = per_token.sum(-1) / mask.sum(-1).clamp(min=1)  # [B]
-    denom = grpo_normalizer(batch.mask, params) if batch.normalizer is None else batch.normalizer
+    denom = grpo_normalizer(mask, params) if batch.normalizer is None else batch.normalizer
     return per_sequence.sum() / denom, stats  # scalar
 
 
@@ -581,12 +595,12 @@ def token_mean_loss(batch: LossInputs, params: LossParams = DEFAULT_PARAMS) -> t
 
         L = -1/N sum_i sum_t [min(r_it A_i, clip(r_it, 1-eps, 1+eps_high) A_i) - kl_coef KL_it]
 
-    N is `batch.normalizer`; default: the completion tokens here. For micro-batches pass the
-    FULL batch's `NORMALIZERS["token_mean"](full_mask, params)` (its number of completion tokens)
+    N is `batch.normalizer`; default: the completion tokens in the loss here. For micro-batches pass
+    the FULL batch's `NORMALIZERS["token_mean"](full_mask, params)` (its number of completion tokens)
     and sum the micro-batch losses. Stats as in `grpo_loss`.
     """
-    per_token, _, stats = _per_token_terms(batch, params)  # [B, T]
-    denom = token_mean_normalizer(batch.mask, params) if batch.normalizer is None else batch.normalizer
+    per_token, mask, stats = _per_token_terms(batch, params)  # [B, T], [B, T]
+    denom = token_mean_normalizer(mask, params) if batch.normalizer is None else batch.normalizer
     return per_token.sum() / denom, stats  # scalar
 
 
@@ -599,24 +613,32 @@ def dr_grpo_loss(batch: LossInputs, params: LossParams = DEFAULT_PARAMS) -> tupl
     No length normalisation per answer, so a long wrong answer is pushed down as hard per token as
     a short one. N L_max is `batch.normalizer` (the FULL batch's for a micro-batch). Stats as in `grpo_loss`.
     """
-    per_token, _, stats = _per_token_terms(batch, params)  # [B, T]
-    denom = dr_grpo_normalizer(batch.mask, params) if batch.normalizer is None else batch.normalizer
+    per_token, mask, stats = _per_token_terms(batch, params)  # [B, T], [B, T]
+    denom = dr_grpo_normalizer(mask, params) if batch.normalizer is None else batch.normalizer
     return per_token.sum() / denom, stats  # scalar
 
 
+def _sequences(completion_mask: torch.Tensor) -> int:
+    """Sequences with at least one token in the loss (at least 1): a rejected sample is not one."""
+    return max(int(completion_mask.bool().any(-1).sum().item()), 1)
+
+
 def grpo_normalizer(completion_mask: torch.Tensor, params: LossParams = DEFAULT_PARAMS) -> float:
-    """What `grpo_loss` divides by for this batch: its number of sequences."""
-    return float(completion_mask.shape[0])
+    """What `grpo_loss` divides by for this batch: its sequences in the loss."""
+    return float(_sequences(completion_mask))
 
 
 def token_mean_normalizer(completion_mask: torch.Tensor, params: LossParams = DEFAULT_PARAMS) -> float:
-    """What `token_mean_loss` divides by for this batch: its completion tokens (at least 1)."""
+    """What `token_mean_loss` divides by for this batch: its completion tokens in the loss (at least 1)."""
     return float(max(int(completion_mask.bool().sum().item()), 1))
 
 
 def dr_grpo_normalizer(completion_mask: torch.Tensor, params: LossParams = DEFAULT_PARAMS) -> float:
-    """What `dr_grpo_loss` divides by for this batch: its sequences times the constant `max_new_tokens`."""
-    return float(completion_mask.shape[0] * params.max_new_tokens)
+    """What `dr_grpo_loss` divides by for this batch: its sequences in the loss times the constant
+    `params.max_new_tokens`, which has no default (a silent 1 would change the loss's scale)."""
+    if params.max_new_tokens is None:
+        raise ValueError("dr_grpo divides by LossParams.max_new_tokens, the rollout's length cap; pass it")
+    return float(_sequences(completion_mask) * params.max_new_tokens)
 
 
 LossFn = Callable[[LossInputs, LossParams], tuple[torch.Tensor, dict[str, float]]]

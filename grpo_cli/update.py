@@ -28,10 +28,11 @@ def loss_params(cfg: TrainConfig) -> Any:
 
 
 def needs_old_logprobs(cfg: TrainConfig) -> bool:
-    """Whether the policy can move before a sample is used (more than one optimizer step per batch), or
-    the KL goes into the reward: then the policy's logprobs are taken once, before the first update."""
+    """Whether the policy's logprobs are taken once, before the first update: when the policy can move
+    before a sample is used (more than one optimizer step per batch), when the KL goes into the reward,
+    or when seq_mask must know the rejected samples before the normalizers are fixed."""
     t = cfg.trainer
-    return t.ppo_epochs > 1 or t.minibatches > 1 or t.kl_in_reward
+    return t.ppo_epochs > 1 or t.minibatches > 1 or t.kl_in_reward or t.mismatch_correction == "seq_mask"
 
 
 def score_logprobs(model: Any, batch: TrainBatch, chunk_tokens: int, temperature: float,
@@ -69,7 +70,27 @@ def score_batch(policy: Any, reference: Any, batch: TrainBatch, groups: Any, cfg
     ref = score_logprobs(reference, batch, chunk, temperature, autocast)
     for mb, old_lp, ref_lp in zip(batch.micro_batches, old, ref):
         mb.old_logprobs, mb.ref_logprobs = old_lp, ref_lp  # [b, Tc] each (or None)
+    if cfg.trainer.mismatch_correction == "seq_mask" and batch.micro_batches:
+        renormalize_without_rejected(batch, cfg, dist)
     return kl_into_advantages(batch, groups, cfg, dist) if cfg.trainer.kl_in_reward and batch.micro_batches else {}
+
+
+def renormalize_without_rejected(batch: TrainBatch, cfg: TrainConfig, dist: Any) -> None:
+    """seq_mask: the samples it rejects leave the loss entirely, the normalizer included. The loss makes the
+    same decision from the same old logprobs (grpo.seq_mask_keep); here each minibatch's normalizer is
+    recomputed over the samples every rank keeps."""
+    from grpo_cli import grpo
+    from grpo_cli.batch import minibatch_normalizer
+
+    params = loss_params(cfg)
+    rejected = []
+    for mb in batch.micro_batches:
+        kept = grpo.seq_mask_keep(mb.old_logprobs, mb.sampling_logprobs, mb.mask, params)[:, 0].tolist()  # [b]
+        rejected += [j for j, keep in zip(mb.rows, kept) if not keep]
+    rejected_everywhere = {j for part in dist.gather(rejected) for j in part}
+    for part in batch.minibatches:
+        part.normalizer = minibatch_normalizer([batch.completions[j] for j in part.rows
+                                                if j not in rejected_everywhere], cfg.trainer.loss, params)
 
 
 def kl_into_advantages(batch: TrainBatch, groups: Any, cfg: TrainConfig, dist: Any) -> dict[str, float]:

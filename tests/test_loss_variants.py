@@ -172,13 +172,14 @@ def test_every_combination_handles_empty_rows_and_far_ratios(name, policy, corre
 def test_tis_weights_are_capped_importance_ratios():
     old = torch.log(torch.tensor([[0.6, 0.1]]))
     sampling = torch.log(torch.tensor([[0.2, 0.2]]))  # ratios 3 and 0.5
-    weights = grpo.tis_correction(old, sampling, torch.ones(1, 2), LossParams(tis_cap=2.0))
+    weights, kept = grpo.tis_correction(old, sampling, torch.ones(1, 2), LossParams(tis_cap=2.0))
     torch.testing.assert_close(weights, torch.tensor([[2.0, 0.5]]))
+    assert kept is None  # tis reweighs tokens and removes no sample
     logp = old.clone().requires_grad_(True)
     loss, stats = grpo.token_mean_loss(LossInputs(logp, torch.ones(1, 2), torch.tensor([1.0]),
                                                   sampling_logprobs=sampling), LossParams(correction="tis"))
     assert loss.item() == pytest.approx(-(2.0 + 0.5) / 2)  # ratio 1, each token's term times its weight
-    assert stats["correction/weight"] == pytest.approx(1.25) and stats["correction/masked_frac"] == 0.0
+    assert stats["correction/weight"] == pytest.approx(1.25) and "correction/masked_frac" not in stats
 
 
 def test_seq_mask_drops_whole_sequences_outside_the_band():
@@ -186,11 +187,42 @@ def test_seq_mask_drops_whole_sequences_outside_the_band():
     sampling = torch.tensor([[0.1, -0.1], [-1.0, -1.0], [0.0, 2.0]])  # geometric-mean ratios 1, e, e^-1 (row 2: 1 token)
     mask = torch.tensor([[1.0, 1.0], [1.0, 1.0], [0.0, 1.0]])
     params = LossParams(correction="seq_mask", seq_mask_low=0.5, seq_mask_high=2.0)
-    weights = grpo.seq_mask_correction(old, sampling, mask, params)
-    torch.testing.assert_close(weights, torch.tensor([[1.0, 1.0], [0.0, 0.0], [0.0, 0.0]]))
+    weights, kept = grpo.seq_mask_correction(old, sampling, mask, params)
+    assert weights is None and kept.tolist() == [[True], [False], [False]]
     _, stats = grpo.grpo_loss(LossInputs(torch.zeros(3, 2, requires_grad=True), mask, torch.ones(3),
                                          sampling_logprobs=sampling), params)
     assert stats["correction/masked_frac"] == pytest.approx(3 / 5)  # tokens of the two rejected samples
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_seq_mask_removes_a_rejected_sample_from_the_whole_loss(name):
+    """A rejected sample leaves the loss entirely: its policy term, its KL and entropy terms, and the
+    normalizer. The loss equals the same loss over the accepted samples alone, and the rejected row gets
+    no gradient."""
+    logp = torch.log(torch.tensor([[0.5, 0.4, 0.3], [0.2, 0.6, 0.5]]))  # [B=2, T=3]
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    ref = logp - 0.3  # a KL term on every token
+    sampling = torch.stack([logp[0], logp[1] - 2.0])  # row 1's geometric-mean ratio e^2 > seq_mask_high
+    entropy = torch.full((2, 3), 0.7)
+    params = LossParams(kl_coef=0.1, entropy_coef=0.01, correction="seq_mask", max_new_tokens=3)
+    x = logp.clone().requires_grad_(True)
+    loss, stats = LOSSES[name](LossInputs(x, mask, torch.tensor([1.0, -1.0]), ref_logprobs=ref,
+                                          sampling_logprobs=sampling, entropy=entropy), params)
+    alone, _ = LOSSES[name](LossInputs(logp[:1].clone(), mask[:1], torch.tensor([1.0]), ref_logprobs=ref[:1],
+                                       entropy=entropy[:1]), params._replace(correction="none"))
+    assert loss.item() == pytest.approx(alone.item())
+    loss.backward()
+    assert torch.equal(x.grad[1], torch.zeros(3)) and x.grad[0].abs().sum() > 0
+    assert stats["correction/masked_frac"] == pytest.approx(3 / 5)  # the rejected sample's 3 of 5 tokens
+
+
+def test_dr_grpo_without_max_new_tokens_fails_loudly():
+    """The horizon has no default: dr_grpo without it would divide by the batch size alone."""
+    logp, mask = torch.zeros(2, 3, requires_grad=True), torch.ones(2, 3)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        grpo.dr_grpo_loss(LossInputs(logp, mask, torch.ones(2)))
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        grpo.NORMALIZERS["dr_grpo"](mask, LossParams())
 
 
 def test_a_correction_without_sampling_logprobs_is_an_error():

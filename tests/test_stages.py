@@ -232,6 +232,62 @@ def test_one_epoch_one_minibatch_keeps_the_ratio_at_one():
     assert stats["ratio"] == pytest.approx(1.0) and stats["clip_frac"] == 0.0 and scheduler.last_epoch == 1
 
 
+def loop_cfg(P: int, **trainer):
+    from grpo_cli.config import RewardSpec, RolloutConfig, TrainConfig
+
+    return TrainConfig(task="t", rewards=[RewardSpec(name="correct")], rollout=RolloutConfig(prompts_per_step=P),
+                       trainer=TrainerConfig(**{"lr": 3.0, "kl_coef": 0.0, "micro_batch_size": 5, **trainer}))
+
+
+def synthetic_groups(P: int = 3, G: int = 4, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    prompt_ids = [torch.randint(1, 40, (3 + p,), generator=g).tolist() for p in range(P)]
+    completion_ids = [[torch.randint(1, 40, (2 + (p + i) % 4,), generator=g).tolist() for i in range(G)]
+                      for p in range(P)]
+    return groups_of(prompt_ids, completion_ids, torch.randn(P, G, generator=g).tolist(), keep=[True] * P)
+
+
+def sgd_update(groups, cfg):
+    """One update of a fresh tiny policy on `groups` with plain SGD; returns the weights and the batch."""
+    from grpo_cli.update import loss_params, score_batch, update
+
+    policy = tiny_policy()
+    optimizer = torch.optim.SGD(policy.parameters(), lr=cfg.trainer.lr)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    params = loss_params(cfg)
+    batch = TrainBatch.build(groups, 0, cfg.trainer, Dist(), params)
+    score_batch(policy, None, batch, groups, cfg, Dist())
+    update(policy, optimizer, scheduler, batch, params, cfg, Dist())
+    return {k: v.detach().clone() for k, v in policy.state_dict().items()}, batch
+
+
+def test_seq_mask_rejection_is_the_update_without_the_rejected_samples():
+    """A sample rejected by trainer.mismatch_correction=seq_mask leaves the loss and the normalizer: the
+    update equals the one where those samples never entered the batch."""
+    from grpo_cli.update import score_logprobs
+
+    P, G = 3, 4
+    groups = synthetic_groups(P, G)
+    cfg = loop_cfg(P, mismatch_correction="seq_mask")
+    batch = TrainBatch.build(groups, 0, cfg.trainer, Dist(), LossParams())
+    own = score_logprobs(tiny_policy(), batch, cfg.trainer.logprob_chunk_tokens, 1.0)  # the trainer's logprobs
+    rejected = {(0, 1), (2, 0), (2, 3)}
+    for mb, lp in zip(batch.micro_batches, own):
+        for i, j in enumerate(mb.rows):
+            slot, g = batch.group_of[j]
+            n = len(batch.completions[j])
+            offset = 3.0 if (slot, g) in rejected else 0.0  # geometric-mean ratio e^3 > seq_mask_high
+            groups.rollouts.sampling_logprobs[slot][g] = (lp[i, :n] - offset).tolist()
+    masked, masked_batch = sgd_update(groups, cfg)
+    assert masked_batch.minibatches[0].normalizer == P * G - len(rejected)  # grpo: the sequences in the loss
+
+    groups.dropped = torch.tensor([[(p, g) in rejected for g in range(G)] for p in range(P)])
+    alone, _ = sgd_update(groups, loop_cfg(P))
+    for name, value in alone.items():
+        torch.testing.assert_close(masked[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    assert any(not masked[k].equal(tiny_policy().state_dict()[k]) for k in masked)  # the update moved weights
+
+
 @pytest.fixture(scope="module")
 def hf_engine(tmp_path_factory):
     """transformers generate on a tiny random model with the shipped tokenizer: a real engine, in seconds."""

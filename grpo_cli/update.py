@@ -111,7 +111,12 @@ def kl_into_advantages(batch: TrainBatch, groups: Any, cfg: TrainConfig, dist: A
     if dist.world_size > 1:  # each rank filled in its share of the groups: the sum is every penalty
         penalty = torch.tensor(dist.sum(penalty.flatten().tolist()), dtype=penalty.dtype).view(penalty.shape)
     reward = groups.reward[kept].cpu() - cfg.trainer.kl_coef * penalty  # [P', G]
-    advantages = grpo.ADVANTAGES[cfg.trainer.advantage](reward)  # [P', G]
+    advantage_fn = grpo.ADVANTAGES[cfg.trainer.advantage]
+    dropped = groups.dropped[kept].cpu() if groups.dropped is not None else None  # [P', G]
+    if dropped is not None and bool(dropped.any()):  # as in collect.score_groups: out of the group statistics
+        advantages = grpo.masked_advantages(advantage_fn, reward, ~dropped)  # [P', G]
+    else:
+        advantages = advantage_fn(reward)  # [P', G]
     for mb in batch.micro_batches:
         if not mb.rows:  # an empty pass (a rank with fewer groups, batch.py): nothing to re-weigh
             continue

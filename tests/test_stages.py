@@ -288,6 +288,34 @@ def test_seq_mask_rejection_is_the_update_without_the_rejected_samples():
     assert any(not masked[k].equal(tiny_policy().state_dict()[k]) for k in masked)  # the update moved weights
 
 
+def test_kl_in_reward_keeps_dropped_samples_out_of_their_groups_statistics():
+    """With trainer.kl_in_reward, the advantages recomputed from the penalised rewards leave the samples a
+    reward with on_failure=drop failed on out of their group's mean and std, as the normal path does."""
+    from grpo_cli import grpo
+    from grpo_cli.update import score_batch
+
+    P, G = 2, 4
+    groups = synthetic_groups(P, G)
+    groups.reward = torch.tensor([[1.0, 0.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]])
+    groups.dropped = torch.tensor([[False, True, False, False], [False, False, False, False]])
+    cfg = loop_cfg(P, kl_coef=0.5, kl_in_reward=True)
+    from grpo_cli.update import loss_params
+
+    batch = TrainBatch.build(groups, 0, cfg.trainer, Dist(), loss_params(cfg))
+    score_batch(tiny_policy(), tiny_policy(seed=1), batch, groups, cfg, Dist())
+    advantage, penalty = {}, {}
+    for mb in batch.micro_batches:
+        kl = grpo.KL_ESTIMATORS["k3"](mb.old_logprobs, mb.ref_logprobs)  # [b, Tc]
+        for i, j in enumerate(mb.rows):
+            advantage[batch.group_of[j]] = float(mb.advantages[i, 0])
+            penalty[batch.group_of[j]] = float((kl[i] * mb.mask[i]).sum())
+    assert (0, 1) not in advantage  # the dropped sample is not in the batch
+    valid = [0, 2, 3]
+    rewards = torch.tensor([[float(groups.reward[0, g]) - 0.5 * penalty[(0, g)] for g in valid]])  # [1, 3]
+    expected = grpo.group_std_advantages(rewards)[0]  # its group is its three valid samples
+    assert [advantage[(0, g)] for g in valid] == pytest.approx(expected.tolist(), abs=1e-5)
+
+
 @pytest.fixture(scope="module")
 def hf_engine(tmp_path_factory):
     """transformers generate on a tiny random model with the shipped tokenizer: a real engine, in seconds."""

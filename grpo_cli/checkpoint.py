@@ -209,15 +209,16 @@ def load_optimizer(optimizer: Any, model: Any, path: Path, param_groups: list[di
                                "param_groups": param_groups})
 
 
-def trainer_state(optimizer: Any, scheduler: Any, cursor: Any, best_pass: float) -> dict[str, Any]:
+def trainer_state(optimizer: Any, scheduler: Any, cursor: Any, best_pass: float, schedule_steps: int) -> dict[str, Any]:
     """Everything besides the weights and AdamW's moments (OPTIMIZER_DIR) that an exact resume needs:
-    AdamW's groups (lr, betas, ...), the lr schedule, prompt order and position, the best held-out
-    pass@1 so far, and the RNG states (tensors and plain types)."""
+    AdamW's groups (lr, betas, ...), the lr schedule and the training steps it spans, prompt order and
+    position, the best held-out pass@1 so far, and the RNG states (tensors and plain types)."""
     import random
 
     import torch
 
     return {"optimizer_param_groups": optimizer.state_dict()["param_groups"], "scheduler": scheduler.state_dict(),
+            "schedule_steps": schedule_steps,
             **cursor.state_dict(), "best_pass": best_pass, "python_rng": random.getstate(),
             "torch_rng": torch.get_rng_state()}
 

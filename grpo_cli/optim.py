@@ -29,7 +29,7 @@ def cosine_lr(index: int, warmup: int, total: int) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * min(1.0, (index - warmup) / max(total - warmup, 1))))
 
 
-# trainer.lr_schedule picks one by name. On resume with a larger trainer.steps the decay stretches to the new end.
+# trainer.lr_schedule picks one by name. A run's schedule spans its first trainer.steps, resumes included.
 LR_SCHEDULES = {"constant": constant_lr, "linear": linear_lr, "cosine": cosine_lr}
 
 
@@ -49,8 +49,9 @@ def param_groups(model: Any, lr: float, norm_lr_scale: float) -> list[dict[str, 
     return [{"params": rest, "lr": lr}, {"params": norms, "lr": lr * norm_lr_scale}]
 
 
-def build_optimizer(model: Any, cfg: Any) -> tuple[Any, Any]:
-    """AdamW over `param_groups` and its schedule: warm-up, then `cfg.lr_schedule` to `cfg.steps`.
+def build_optimizer(model: Any, cfg: Any, schedule_steps: int | None = None) -> tuple[Any, Any]:
+    """AdamW over `param_groups` and its schedule: warm-up, then `cfg.lr_schedule` to `schedule_steps`
+    training steps (the run's original trainer.steps; None = `cfg.steps`, a new run).
 
     `cfg` is the run's `config.TrainerConfig` (not imported: config imports this module). The
     schedule counts optimizer steps: `ppo_epochs x minibatches` of them per training step.
@@ -60,7 +61,7 @@ def build_optimizer(model: Any, cfg: Any) -> tuple[Any, Any]:
     optimizer = torch.optim.AdamW(param_groups(model, cfg.lr, cfg.norm_lr_scale), lr=cfg.lr,
                                   betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
     schedule = LR_SCHEDULES[cfg.lr_schedule]
-    total = cfg.steps * cfg.ppo_epochs * cfg.minibatches  # optimizer steps in the whole run
+    total = (schedule_steps or cfg.steps) * cfg.ppo_epochs * cfg.minibatches  # optimizer steps the schedule spans
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: schedule(s, cfg.warmup_steps, total))
     return optimizer, scheduler
 

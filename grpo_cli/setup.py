@@ -116,6 +116,7 @@ class Start:
     step: int  # the last step already done (0 for a new run)
     path: str  # the weights the policy (and the engine) load
     state: dict[str, Any] | None  # the checkpoint's trainer state (None for a new run)
+    schedule_steps: int  # the training steps the lr schedule spans: the original run's trainer.steps
     info: dict[str, Any] = dataclasses.field(default_factory=dict)  # the checkpoint's checkpoint.json
 
 
@@ -124,7 +125,7 @@ def resume_or_start(cfg: TrainConfig, run_dir: Path, model_path: str) -> Start:
     from grpo_cli.checkpoint import damaged_weights, load_trainer_state, read_info, step_checkpoints
 
     if not cfg.resume:
-        return Start(0, model_path, None)
+        return Start(0, model_path, None, cfg.trainer.steps)
     path = str(step_checkpoints(run_dir)[-1])
     if damage := damaged_weights(path):
         raise UsageError(f"resume: {damage}")
@@ -133,7 +134,13 @@ def resume_or_start(cfg: TrainConfig, run_dir: Path, model_path: str) -> Start:
     if info["step"] >= cfg.trainer.steps:
         raise UsageError(f"nothing to resume: {path} is at step {info['step']} and trainer.steps="
                          f"{cfg.trainer.steps}; pass a larger trainer.steps to train further")
-    return Start(info["step"], path, load_trainer_state(Path(path)), info)
+    state = load_trainer_state(Path(path))
+    t_cfg, schedule_steps = cfg.trainer, state["schedule_steps"]
+    if t_cfg.lr_schedule != "constant" and t_cfg.steps > schedule_steps:  # it would train at lr 0 past its end
+        raise UsageError(f"trainer.steps={t_cfg.steps} runs past the end of the run's {t_cfg.lr_schedule} lr schedule, "
+                         f"which reaches 0 at step {schedule_steps}; resume with trainer.steps <= {schedule_steps}, "
+                         f"or start a new run from the checkpoint (model.name_or_path={path})")
+    return Start(info["step"], path, state, schedule_steps, info)
 
 
 @dataclass

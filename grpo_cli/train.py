@@ -42,7 +42,7 @@ def run(cfg: TrainConfig, run_dir: Path) -> int:
     dist = Dist.init(cfg.trainer.device)
     start = resume_or_start(cfg, run_dir, task.model_path)
     models = build_models(cfg, task, start, dist)
-    optimizer, scheduler = build_optimizer(models.policy, cfg.trainer)
+    optimizer, scheduler = build_optimizer(models.policy, cfg.trainer, start.schedule_steps)
     cursor = PromptCursor(len(task.train_rows), cfg.trainer.seed)
     best_pass, history = -1.0, []  # best held-out pass@1 so far (checkpoints/best holds that model)
     if start.state is not None:
@@ -68,6 +68,9 @@ def run(cfg: TrainConfig, run_dir: Path) -> int:
                                               task.reward_fns, cfg, 0, dist)})
         else:
             out.console.info(f"resumed from {start.path} at step {start.step}{out.resume_note(start.info)}")
+            if t_cfg.lr_schedule != "constant" and start.schedule_steps != t_cfg.steps:
+                out.console.info(f"lr schedule: {t_cfg.lr_schedule} over the original run's {start.schedule_steps} "
+                                 f"steps, kept (this run stops at trainer.steps={t_cfg.steps})")
         for step in range(start.step + 1, t_cfg.steps + 1):
             timings = monitor.StepTimer()
             collective_start = COLLECTIVE_SECONDS[0]
@@ -90,7 +93,8 @@ def run(cfg: TrainConfig, run_dir: Path) -> int:
             last = step == t_cfg.steps
             stopping = dist.any(stop.requested)  # one decision for all ranks (Ctrl-C may reach only some)
             best_pass = maybe_checkpoint(policy, task.tokenizer, optimizer, scheduler, cursor, best_pass, metrics,
-                                         cfg, run_dir, task.model_path, save_now=last or stopping, dist=dist)
+                                         cfg, run_dir, task.model_path, start.schedule_steps,
+                                         save_now=last or stopping, dist=dist)
             out.after_step(metrics, groups, step, task.tokenizer)  # zero-variance warning, sample completions
             if stopping and not last:
                 out.console.warn(f"interrupted at step {step}: checkpoint saved; continue with the same command "
@@ -243,7 +247,7 @@ def evaluate(engine: Any, rows: list[dict[str, Any]], encode: Any, reward_fns: A
 
 def maybe_checkpoint(policy: Any, tokenizer: Any, optimizer: Any, scheduler: Any, cursor: Any, best_pass: float,
                      metrics: dict[str, Any], cfg: TrainConfig, run_dir: Path, base_model: str,
-                     save_now: bool, dist: Any) -> float:
+                     schedule_steps: int, save_now: bool, dist: Any) -> float:
     """The best model by held-out pass@1, and a resumable checkpoint every checkpoint.every steps, at the
     end and when `save_now`; returns the best pass@1 so far."""
     import dataclasses
@@ -259,7 +263,7 @@ def maybe_checkpoint(policy: Any, tokenizer: Any, optimizer: Any, scheduler: Any
     if save_now or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
         name = "final" if step == cfg.trainer.steps else f"{STEP_PREFIX}{step:06d}"
         save_checkpoint(policy, tokenizer, run_dir / "checkpoints" / name, info,
-                        trainer_state(optimizer, scheduler, cursor, best_pass), optimizer=optimizer, dist=dist)
+                        trainer_state(optimizer, scheduler, cursor, best_pass, schedule_steps), optimizer=optimizer, dist=dist)
         if dist.is_main:
             prune_checkpoints(run_dir / "checkpoints", cfg.checkpoint.keep_last)
     return best_pass

@@ -260,3 +260,42 @@ def test_a_truncated_model_file_is_named_in_one_line(workdir, tmp_path):
                                 "recipe=bike_pricing"], cwd=workdir, capture_output=True, text=True, timeout=300)
     assert evaluated.returncode == 2, evaluated.stderr[-2000:]
     assert f"'{weights}' is corrupted or truncated" in evaluated.stderr.strip().splitlines()[-1]
+
+
+def tiny_run_config(tmp_path: Path, tiny_model_dir: Path, *extra: str):
+    """An in-process `grpo train` config on the tiny model and the transformers engine: seconds a step."""
+    from grpo_cli.cli import load_config
+
+    return load_config("train", ["recipe=bike_pricing", f"model.name_or_path={tiny_model_dir}",
+                                 f"output_dir={tmp_path / 'runs'}", "rollout.engine=hf", "rollout.prompts_per_step=2",
+                                 "rollout.group_size=2", "rollout.max_new_tokens=8", "eval.num_problems=2",
+                                 "eval.every=0", "data.num_train=50", "data.num_heldout=10",
+                                 "rollout.push_check_every=0", "logging.samples_every=0", *extra])
+
+
+def test_a_resume_with_other_trainer_steps_keeps_the_original_lr_schedule(tmp_path, tiny_model_dir, capsys):
+    """A decaying schedule spans the original run's trainer.steps: a resume that stops earlier keeps it
+    (the lr does not jump) and says so; one that would run past its end is refused."""
+    import shutil
+
+    from grpo_cli import train
+    from grpo_cli.errors import UsageError
+
+    schedule = ("trainer.lr_schedule=linear", "checkpoint.every=2")
+    straight = tmp_path / "straight"
+    assert train.run(tiny_run_config(tmp_path, tiny_model_dir, "trainer.steps=4", *schedule), straight) == 0
+    lrs = {m["step"]: m["lr"] for m in map(json.loads, (straight / "metrics.jsonl").read_text().splitlines())
+           if "lr" in m}
+    shorter = tmp_path / "shorter"
+    (shorter / "checkpoints").mkdir(parents=True)
+    shutil.copytree(straight / "checkpoints" / "step_000002", shorter / "checkpoints" / "step_000002")
+    capsys.readouterr()
+    cfg = tiny_run_config(tmp_path, tiny_model_dir, "trainer.steps=3", f"resume={shorter}", *schedule)
+    assert train.run(cfg, shorter) == 0
+    resumed = {m["step"]: m["lr"] for m in map(json.loads, (shorter / "metrics.jsonl").read_text().splitlines())
+               if "lr" in m}
+    assert resumed[3] == pytest.approx(lrs[3])  # the original schedule's lr at step 3, not a new one's
+    assert "lr schedule: linear over the original run's 4 steps, kept" in capsys.readouterr().out
+    longer = tiny_run_config(tmp_path, tiny_model_dir, "trainer.steps=6", f"resume={shorter}", *schedule)
+    with pytest.raises(UsageError, match=r"trainer.steps=6 runs past the end of the run's linear lr schedule"):
+        train.run(longer, shorter)

@@ -72,6 +72,13 @@ def memory_lines(cfg: TrainConfig, shape: dict[str, Any] | None, world_size: int
             "activations and the rollout engine's KV cache come on top"]
 
 
+def correctness_line(cfg: TrainConfig) -> str:
+    """Which reward is the correctness check, and what it decides."""
+    i, spec = next((i, s) for i, s in enumerate(cfg.rewards) if s.correctness or len(cfg.rewards) == 1)
+    return (f"correctness check: rewards[{i}] {spec.name} (held-out pass@1, the all-correct/all-wrong groups, "
+            "the best checkpoint)")
+
+
 def warnings(cfg: TrainConfig) -> list[str]:
     """Settings that change nothing in this config, each with the reason."""
     r, t = cfg.rollout, cfg.trainer
@@ -109,6 +116,7 @@ def run_check(cfg: TrainConfig, run_dir: Any) -> int:
     world_size = max(cfg.dist.world_size, int(os.environ.get("WORLD_SIZE", "1")))  # dist.* or plain torchrun
     print(f"grpo check: {cfg.task} | model {cfg.model.name_or_path} | {cfg.trainer.steps} steps")
     lines = batch_lines(cfg, world_size) + memory_lines(cfg, model_shape(cfg.model.name_or_path), world_size)
+    lines.append(correctness_line(cfg))
     for line in lines:
         print(f"  {line}")
     found = warnings(cfg)

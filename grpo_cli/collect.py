@@ -137,7 +137,8 @@ def score_groups(rows: list[dict[str, Any]], prompt_ids: list[list[int]], rollou
         advantages = grpo.masked_advantages(grpo.ADVANTAGES[t_cfg.advantage], reward, ~dropped)  # [P, G]
     else:
         advantages = grpo.ADVANTAGES[t_cfg.advantage](reward)  # [P, G]
-    correct = torch.tensor(next(iter(scored.per_function.values())), device=dist.device).view(P, G)  # [P, G]
+    correct = torch.tensor(scored.per_function[rewards.correctness_name(reward_fns)],
+                           device=dist.device).view(P, G)  # [P, G] the correctness check
     all_correct, all_wrong = grpo.zero_variance_groups(reward, correct)  # [P], [P]
     keep = torch.ones(P, dtype=torch.bool, device=dist.device)  # [P]
     if t_cfg.filter_zero_variance or cfg.rollout.dynamic_sampling:

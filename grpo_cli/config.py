@@ -80,6 +80,7 @@ class RewardSpec:
     args: dict[str, Any] = field(default_factory=dict)  # keyword arguments the function is called with, e.g. {buffer: 32}
     timeout_s: float | None = 10.0  # time limit per call (one prompt's group), in a worker process killed on overrun; None = in-process, no limit
     on_failure: str = "zero"  # a sample it raised, timed out or returned junk on: "zero" (scores 0) | "drop" (leaves the loss)
+    correctness: bool = False  # this reward is the task's correctness check (pass@1, zero-variance groups, best checkpoint); exactly one, or the only reward
 
 
 @dataclass
@@ -276,6 +277,11 @@ class TrainConfig:
         _require(len(self.rewards) > 0, "rewards", "no reward functions; add e.g. rewards=[{name:correct,weight:1.0}]")
         for i, spec in enumerate(self.rewards):
             _require(spec.weight == spec.weight, f"rewards[{i}].weight", "is NaN")
+        marked = [f"rewards[{i}] {spec.name}" for i, spec in enumerate(self.rewards) if spec.correctness]
+        _require(len(marked) == 1 or (len(self.rewards) == 1 and not marked), "rewards",
+                 f"{len(marked)} rewards are marked correctness: true ({', '.join(marked) or 'none'}); mark exactly one, "
+                 "the task's correctness check (it gives pass@1, the zero-variance groups and the best checkpoint), "
+                 "e.g. rewards=[{name:correct,weight:1.0,correctness:true},{name:format,weight:0.1}]")
         _require(self.model.dtype == "float32" or self.rollout.push_check_tol >= 0.02 or not self.rollout.push_check_every,
                  "rollout.push_check_tol", f"{self.rollout.push_check_tol} is below {self.model.dtype}'s round-off, "
                  "which alone moves the engine's and the trainer's logprobs further; set it to 0.05 (or turn the "

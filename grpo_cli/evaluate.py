@@ -17,8 +17,8 @@ is sampled with the same per-problem seeds (those of the run's step-0 held-out
 evaluation), so differences between columns are the weights', not the dice's.
 
 Metrics over eval.num_problems held-out problems, k = eval.samples_per_problem
-samples each at eval.temperature: pass@1 (mean of the first reward function, the
-correctness check), unbiased pass@k, maj@k, mean reward per function, mean
+samples each at eval.temperature: pass@1 (mean of the recipe's correctness reward,
+`rewards[i].correctness`), unbiased pass@k, maj@k, mean reward per function, mean
 completion length (tokens), truncation rate, the same per difficulty tier when
 the rows have a `tier` column, and greedy accuracy with eval.greedy=true.
 
@@ -144,7 +144,7 @@ def heldout_metrics(engine: Any, rows: list[dict[str, Any]], encode: Any, reward
                     samples: list[dict[str, Any]] | None = None, prompt_column: str | None = None) -> dict[str, Any]:
     """Sample k completions per held-out row and measure them (see `summarise`), overall and per tier.
 
-    The first reward function is the correctness check. `samples`, when given, receives one
+    pass@1 is the mean of the correctness reward (`rewards[i].correctness`). `samples`, when given, receives one
     record per sample (prompt, completion, rewards, length, truncated, row columns).
     For the training log, `flatten(metrics)` gives eval/... keys.
     """
@@ -157,7 +157,7 @@ def heldout_metrics(engine: Any, rows: list[dict[str, Any]], encode: Any, reward
     lengths = [len(c) for group in out.completion_ids for c in group]  # [N*k]
     scored = rewards.score(reward_fns, texts, columns, answer_format, completion_tokens=lengths,
                            max_new_tokens=max_new_tokens, prompts=columns.get(prompt_column), group_size=k)
-    correct = next(iter(scored.per_function.values()))  # [N*k]
+    correct = scored.per_function[rewards.correctness_name(reward_fns)]  # [N*k]
     truncated = [bool(t) for group in out.truncated for t in group]  # [N*k]
     votes = [answer_key(t, answer_format) for t in texts]  # [N*k]
     parts = (k, correct, scored.per_function, lengths, truncated, votes)
@@ -188,7 +188,7 @@ def greedy_accuracy(engine: Any, rows: list[dict[str, Any]], encode: Any, reward
     scored = rewards.score(reward_fns, [group[0] for group in out.texts], columns, answer_format,
                            completion_tokens=[len(group[0]) for group in out.completion_ids],
                            max_new_tokens=max_new_tokens, prompts=columns.get(prompt_column), group_size=1)
-    correct = next(iter(scored.per_function.values()))  # [N]
+    correct = scored.per_function[rewards.correctness_name(reward_fns)]  # [N]
     return _mean(correct), {tier: _mean([correct[i] for i in idx]) for tier, idx in _tiers(rows).items()}
 
 

@@ -283,6 +283,7 @@ class WeightedReward:
     args: dict = field(default_factory=dict)  # the recipe's extra keyword arguments (rewards[i].args)
     timeout_s: float | None = None  # per call (one prompt's group); None = called in the trainer's process, no limit
     on_failure: str = "zero"  # a sample it fails on scores 0 ("zero") or leaves the loss ("drop")
+    correctness: bool = False  # the task's correctness check (pass@1, zero-variance groups, best checkpoint)
     worker: Any = field(default=None, compare=False, repr=False)  # reward_worker.RewardWorker when timeout_s is set
 
 
@@ -327,7 +328,12 @@ def _takes_var_kwargs(fn: RewardFn) -> bool:
 
 
 def load_rewards(specs: list) -> list[WeightedReward]:
-    """The recipe's `rewards` list (RewardSpec) -> loaded functions with weights. Fails at the edge."""
+    """The recipe's `rewards` list (RewardSpec) -> loaded functions with weights. Fails at the edge.
+    Exactly one is the correctness check (`correctness: true`, or the only reward)."""
+    marked = [i for i, spec in enumerate(specs) if spec.correctness]
+    if len(marked) > 1 or (not marked and len(specs) > 1):
+        raise UsageError(f"rewards: {len(marked)} are marked correctness: true; mark exactly one, the task's "
+                         "correctness check (pass@1, the zero-variance groups, the best checkpoint)")
     loaded, seen = [], set()
     for i, spec in enumerate(specs):
         if spec.name in seen:
@@ -350,8 +356,14 @@ def load_rewards(specs: list) -> list[WeightedReward]:
             from grpo_cli.reward_worker import RewardWorker
 
             worker = RewardWorker(spec.name, fn, float(timeout_s))
-        loaded.append(WeightedReward(spec.name, fn, float(spec.weight), args, timeout_s, on_failure, worker))
+        loaded.append(WeightedReward(spec.name, fn, float(spec.weight), args, timeout_s, on_failure,
+                                     spec.correctness or len(specs) == 1, worker))
     return loaded
+
+
+def correctness_name(rewards: list[WeightedReward]) -> str:
+    """The name of the reward that is the task's correctness check (load_rewards made sure there is one)."""
+    return next(r.name for r in rewards if r.correctness)
 
 
 def required_columns(fn: RewardFn) -> list[str]:
@@ -484,7 +496,7 @@ def _call_reward(reward: WeightedReward, completions: list, per_sample: dict[str
 
 class Scores(NamedTuple):
     total: list[float]  # [N] weighted sum over the reward functions
-    per_function: dict[str, list[float]]  # name -> [N] raw scores, in recipe order (the first is the main one)
+    per_function: dict[str, list[float]]  # name -> [N] raw scores, in recipe order
     dropped: list[bool] | None = None  # [N] a reward with on_failure=drop failed on it: it leaves the loss
 
 
@@ -568,16 +580,13 @@ def read_cases(path_text: str) -> list[dict]:
     return cases
 
 
-def expected_scores(case: dict, reward_names: list[str], where: str) -> dict[str, float]:
-    """A case's `expected` as {function name: value}; a bare number is the `correct` reward's value."""
+def expected_scores(case: dict, reward_names: list[str], correctness: str, where: str) -> dict[str, float]:
+    """A case's `expected` as {function name: value}; a bare number is the correctness reward's value."""
     expected = case.get("expected")
     if expected is None:
         return {}
     if isinstance(expected, int | float):
-        if "correct" not in reward_names:
-            raise UsageError(f"{where}: a bare 'expected' number refers to the 'correct' reward, which this "
-                               f"recipe lacks; write it as {{\"NAME\": value}} with NAME in {reward_names}")
-        return {"correct": float(expected)}
+        return {correctness: float(expected)}
     if isinstance(expected, dict):
         for name, value in expected.items():
             if name not in reward_names:
@@ -617,7 +626,7 @@ def run_cases(config: Any, run_dir: Any) -> int:
     names = [r.name for r in rewards]
     cases = read_cases(config.cases)
     wheres = [f"{config.cases}:{c['_line']}" for c in cases]
-    expectations = [expected_scores(c, names, w) for c, w in zip(cases, wheres, strict=True)]
+    expectations = [expected_scores(c, names, correctness_name(rewards), w) for c, w in zip(cases, wheres, strict=True)]
     needed = needed_columns(rewards)
     for case, where in zip(cases, wheres, strict=True):
         missing = [c for c in needed if c not in case]

@@ -26,7 +26,7 @@ class Task:
 
     train_rows: list[dict[str, Any]]  # the train split, in dataset order
     heldout_rows: list[dict[str, Any]]  # the fixed held-out split
-    reward_fns: list  # rewards.WeightedReward, in recipe order (the first is the correctness check)
+    reward_fns: list  # rewards.WeightedReward, in recipe order (one of them is the correctness check)
     model_path: str  # the base model's directory (or hub id): the reference, and the start of a new run
     tokenizer: Any  # the model's tokenizer (pad token set)
 

@@ -232,7 +232,7 @@ def maybe_evaluate(engine: Any, task: Any, encode: Any, cfg: TrainConfig, step: 
 
 def evaluate(engine: Any, rows: list[dict[str, Any]], encode: Any, reward_fns: Any, cfg: TrainConfig,
              step: int, dist: Any) -> dict[str, float]:
-    """Held-out metrics (sampled pass@1 = mean of the first reward, the correctness check), as eval/... keys.
+    """Held-out metrics (sampled pass@1 = mean of the correctness reward), as eval/... keys.
     At world size > 1 the ranks' engines sample their shares of the problems (ShardedEngine), and rank 0's
     metrics are everyone's (a reward that timed out on one rank only must not split the best-model decision)."""
     from grpo_cli.evaluate import flatten, heldout_metrics

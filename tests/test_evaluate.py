@@ -109,7 +109,7 @@ def test_heldout_metrics_per_tier_and_samples():
     rows = [{"question": "q0", "answer": "10.00", "tier": 1}, {"question": "q1", "answer": "7.50", "tier": 2}]
     texts = [["Answer: 10", "Answer: 11", "Answer: 11"], ["x\nAnswer: 7.50", "Answer: 7.5", "nothing"]]
     truncated = [[False, False, False], [False, False, True]]
-    reward_fns = load_rewards([RewardSpec("correct", 1.0), RewardSpec("format", 0.1)])
+    reward_fns = load_rewards([RewardSpec("correct", 1.0, correctness=True), RewardSpec("format", 0.1)])
     samples = []
     m = evaluate.heldout_metrics(ScriptedEngine(texts, truncated), rows, lambda row: [1, 2], reward_fns,
                                  "answer_line", 3, 1.0, 1.0, 32, [0, 1], samples=samples)
@@ -127,6 +127,23 @@ def test_heldout_metrics_per_tier_and_samples():
                                                                           for r in rows],
                                        lambda row: [1], reward_fns, "answer_line", 3, 1.0, 1.0, 32, [0, 1])
     assert no_tier["per_tier"] == {}
+
+
+def test_the_correctness_reward_is_named_in_the_recipe_not_its_position():
+    """pass@1 is the mean of the reward marked correctness: true, wherever it is listed; two rewards with
+    none marked are refused, since the order would decide."""
+    from grpo_cli.config import RewardSpec
+    from grpo_cli.errors import UsageError
+    from grpo_cli.rewards import load_rewards
+
+    rows = [{"question": "q0", "answer": "10.00"}]
+    texts = [["Answer: 10", "Answer: 11", "no answer"]]  # correct 1/3, format 2/3
+    with pytest.raises(UsageError, match="mark exactly one"):
+        load_rewards([RewardSpec("format", 0.1), RewardSpec("correct", 1.0)])
+    reward_fns = load_rewards([RewardSpec("format", 0.1), RewardSpec("correct", 1.0, correctness=True)])
+    m = evaluate.heldout_metrics(ScriptedEngine(texts, [[False] * 3]), rows, lambda row: [1, 2], reward_fns,
+                                 "answer_line", 3, 1.0, 1.0, 32, [0])
+    assert m["pass@1"] == pytest.approx(1 / 3) and m["mean_reward"]["format"] == pytest.approx(2 / 3)
 
 
 def test_checkpoint_weights_add_the_tied_lm_head(tmp_path):

@@ -233,7 +233,7 @@ def test_a_few_failing_samples_score_zero_and_are_counted(workdir):
 
 def test_a_reward_that_crashes_on_some_samples_drops_them_from_the_loss(workdir):
     out = run(workdir, "drop", "trainer.steps=2", "rollout.engine=hf",
-              "rewards=[{name:test_rewards_mod:digit_share},{name:test_rewards_mod:raises_sometimes,on_failure:drop}]")
+              "rewards=[{name:test_rewards_mod:digit_share,correctness:true},{name:test_rewards_mod:raises_sometimes,on_failure:drop}]")
     assert out.returncode == 0, out.stderr[-2000:]
     metrics = [json.loads(line) for line in (only_run_dir(workdir, "drop") / "metrics.jsonl").read_text().splitlines()]
     metrics = [m for m in metrics if "reward/dropped" in m]  # the training steps (step 0 is the baseline eval)

@@ -204,10 +204,10 @@ def test_load_reward_errors_are_one_line(custom_module, name, message):
 
 
 def test_load_rewards_keeps_weights_and_rejects_duplicates():
-    loaded = load_rewards([RewardSpec(name="correct", weight=1.0), RewardSpec(name="format", weight=0.1)])
+    loaded = load_rewards([RewardSpec(name="correct", weight=1.0, correctness=True), RewardSpec(name="format", weight=0.1)])
     assert [(r.name, r.fn, r.weight) for r in loaded] == [("correct", correct, 1.0), ("format", format_ok, 0.1)]
     with pytest.raises(UsageError, match="listed twice"):
-        load_rewards([RewardSpec(name="correct"), RewardSpec(name="correct")])
+        load_rewards([RewardSpec(name="correct", correctness=True), RewardSpec(name="correct")])
 
 
 def test_required_columns_and_validate_columns(custom_module):
@@ -314,7 +314,7 @@ def test_harness_exits_1_when_a_custom_reward_crashes(tmp_path):
     cases = tmp_path / "cases.jsonl"
     cases.write_text(json.dumps({"completion": "Answer: 5", "answer": "5", "expected": 1}) + "\n")
     result = run_grpo("reward", "recipe=bike_pricing", f"cases={cases}",
-                      "rewards=[{name:correct},{name:'my_rewards:raises'}]", cwd=tmp_path)
+                      "rewards=[{name:correct,correctness:true},{name:'my_rewards:raises'}]", cwd=tmp_path)
     assert result.returncode == 1, result.stdout + result.stderr
     assert "ERR" in result.stdout and "boom" in result.stdout
 

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from grpo_cli import __version__
-from grpo_cli.errors import UsageError  # also reachable as grpo_cli.cli.UsageError
+from grpo_cli.errors import RunFailure, UsageError  # also reachable as grpo_cli.cli.UsageError
 
 RECIPE_PATH_ENV = "GRPO_RECIPE_PATH"  # extra recipe directories, separated like PATH
 
@@ -439,6 +439,9 @@ def _make_app(command: str) -> Callable[[], Any]:
         except UsageError as e:
             log.error("%s", e) if run_dir else None
             _fail(command, who + str(e))
+        except RunFailure as e:  # explained in one line; the traceback goes to the run's log
+            log.exception("grpo %s stopped", command)
+            _fail(command, who + str(e), code=1)
         except KeyboardInterrupt:
             raise
         except Exception as e:

@@ -110,7 +110,7 @@ def score_groups(rows: list[dict[str, Any]], prompt_ids: list[list[int]], rollou
     import torch
 
     from grpo_cli import grpo, rewards
-    from grpo_cli.errors import UsageError
+    from grpo_cli.errors import RunFailure
 
     t_cfg = cfg.trainer
     P, G = len(rows), cfg.rollout.group_size
@@ -128,7 +128,7 @@ def score_groups(rows: list[dict[str, Any]], prompt_ids: list[list[int]], rollou
         scored, failures = merge_scores(dist.gather((scored, failures)))
     for name, count in failures.counts.items():
         if count > len(completions) / 2:  # most samples: the reward itself is broken, not the completions
-            raise UsageError(f"reward function '{name}' failed on {count} of {len(completions)} samples at step "
+            raise RunFailure(f"reward function '{name}' failed on {count} of {len(completions)} samples at step "
                              f"{step}: {failures.last_error[name]}")
     reward = torch.tensor(scored.total, dtype=torch.float32, device=dist.device).view(P, G)  # [P, G]
     reward = grpo.round_rewards(reward, t_cfg.reward_round_decimals)  # [P, G]

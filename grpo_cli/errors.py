@@ -1,9 +1,21 @@
-"""The one exception type the CLI prints as a one-line error (no traceback), exit code 2.
+"""The two exceptions the CLI prints as one line without a traceback, and the one-line form of any error.
 
-It lives apart from cli.py so that library modules (data, rewards, train, ...) can raise
-it without importing the command-line layer.
+They live apart from cli.py so that library modules (data, rewards, train, ...) can raise them
+without importing the command-line layer.
 """
 
 
 class UsageError(Exception):
-    """A one-line error for the user; printed without a traceback."""
+    """The input is wrong (a key, a file, a row, a recipe): one line naming it, exit code 2. Raised
+    before a run starts whenever it can be known then."""
+
+
+class RunFailure(Exception):
+    """A run stopped for a reason one line explains (a reward that fails on most samples, too many
+    non-finite steps in a row, an engine that holds stale weights): exit code 1; the traceback goes to
+    the run's log."""
+
+
+def one_line(exc: BaseException, limit: int = 300) -> str:
+    """`TypeName: message` with the message's whitespace folded, at most `limit` characters."""
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())}"[:limit]

@@ -74,8 +74,10 @@ def push_check(engine: Any, policy: Any, sequences: list[list[int]], prompt_lens
     return worst
 
 
-def stale_weights_error(worst: float, tol: float, where: str = "") -> RuntimeError:
-    return RuntimeError(f"the rollout engine{where} holds stale weights: its logprobs differ from the trainer's by "
+def stale_weights_error(worst: float, tol: float, where: str = "") -> Exception:
+    from grpo_cli.errors import RunFailure
+
+    return RunFailure(f"the rollout engine{where} holds stale weights: its logprobs differ from the trainer's by "
                         f"{worst:.2e} (> rollout.push_check_tol={tol:g}) after a weight push")
 
 

@@ -222,7 +222,7 @@ class NonFiniteGuard:
         self.in_a_row = 0
 
     def check(self, stats: dict[str, Any], step: int, warn: Any) -> None:
-        from grpo_cli.errors import UsageError
+        from grpo_cli.errors import RunFailure
 
         if not stats["skipped_nonfinite"]:
             self.in_a_row = 0
@@ -230,5 +230,5 @@ class NonFiniteGuard:
         self.in_a_row += 1
         warn(f"step {step}: non-finite loss or gradient, update skipped ({self.in_a_row} in a row)")
         if self.in_a_row >= self.max_bad_steps:
-            raise UsageError(f"{self.in_a_row} steps in a row had a non-finite loss or gradient (trainer."
+            raise RunFailure(f"{self.in_a_row} steps in a row had a non-finite loss or gradient (trainer."
                              f"max_bad_steps={self.max_bad_steps}); lower trainer.lr or check the rewards")

@@ -178,28 +178,29 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
 
 
 @pytest.mark.parametrize(
-    ("extra", "message"),
+    ("extra", "message", "code"),
     [
-        (["data.source=/nonexistent/problems.jsonl"], "/nonexistent/problems.jsonl"),
-        (["model.max_context_tokens=40"], "exceeds the model's context of 40 tokens"),
-        (["model.name_or_path=/nonexistent/ckpt"], "model.name_or_path: model '/nonexistent/ckpt' does not exist"),
-        (["rewards=[{name:test_rewards_mod:nope}]"], "nope"),
-        (["rewards=[{name:test_rewards_mod:boom}]", "rollout.engine=hf"], "failed on 8 of 8 samples at step 1"),
-        (["rewards=[{name:test_rewards_mod:too_few}]", "rollout.engine=hf"], "returned 1 values for 4 completions"),
-        (["rewards=[{name:test_rewards_mod:nan_always}]", "rollout.engine=hf"], "not a finite number"),
-        # issue 18: a reward that hangs is killed after timeout_s and stops the run in bounded time;
+        (["data.source=/nonexistent/problems.jsonl"], "/nonexistent/problems.jsonl", 2),
+        (["model.max_context_tokens=40"], "exceeds the model's context of 40 tokens", 2),
+        (["model.name_or_path=/nonexistent/ckpt"], "model.name_or_path: model '/nonexistent/ckpt' does not exist", 2),
+        (["rewards=[{name:test_rewards_mod:nope}]"], "nope", 2),
+        # failures during the run: exit 1
+        (["rewards=[{name:test_rewards_mod:boom}]", "rollout.engine=hf"], "failed on 8 of 8 samples at step 1", 1),
+        (["rewards=[{name:test_rewards_mod:too_few}]", "rollout.engine=hf"], "returned 1 values for 4 completions", 1),
+        (["rewards=[{name:test_rewards_mod:nan_always}]", "rollout.engine=hf"], "not a finite number", 1),
+        # a reward that hangs is killed after timeout_s and stops the run in bounded time;
         # one that returns 3 values for a group of 4 names the function and the samples
         (["rewards=[{name:test_rewards_mod:sleeps,timeout_s:1}]", "rollout.engine=hf"],
-         "'test_rewards_mod:sleeps' failed on 8 of 8 samples at step 1: samples 4-7: timed out after 1 s"),
+         "'test_rewards_mod:sleeps' failed on 8 of 8 samples at step 1: samples 4-7: timed out after 1 s", 1),
         (["rewards=[{name:test_rewards_mod:three_values}]", "rollout.engine=hf"],
-         "'test_rewards_mod:three_values' failed on 8 of 8 samples at step 1: samples 4-7: returned 3 values for 4"),
+         "'test_rewards_mod:three_values' failed on 8 of 8 samples at step 1: samples 4-7: returned 3 values for 4", 1),
         (["rewards=[{name:test_rewards_mod:huge}]", "trainer.advantage=group_mean", "rollout.engine=hf",
-          "trainer.steps=4"], "steps in a row had a non-finite loss or gradient"),
+          "trainer.steps=4"], "steps in a row had a non-finite loss or gradient", 1),
     ],
 )
-def test_bad_input_is_one_line(workdir, extra, message):
+def test_bad_input_is_one_line(workdir, extra, message, code):
     out = run(workdir, "bad", "trainer.steps=2", *extra)
-    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.returncode == code, out.stderr[-2000:]
     assert "Traceback" not in out.stderr
     assert out.stderr.strip().splitlines()[-1].startswith("grpo train: error: ")
     assert message in out.stderr.strip().splitlines()[-1]
@@ -299,3 +300,24 @@ def test_a_resume_with_other_trainer_steps_keeps_the_original_lr_schedule(tmp_pa
     longer = tiny_run_config(tmp_path, tiny_model_dir, "trainer.steps=6", f"resume={shorter}", *schedule)
     with pytest.raises(UsageError, match=r"trainer.steps=6 runs past the end of the run's linear lr schedule"):
         train.run(longer, shorter)
+
+
+def test_a_reward_that_fails_mid_run_stops_it_with_exit_1(tmp_path, tiny_model_dir, monkeypatch, capsys):
+    """A failure during the run is not a usage error: one line naming the function and the step, exit 1
+    (2 is for bad input, found before any model loads), the traceback in the run's log."""
+    from grpo_cli.cli import main
+
+    (tmp_path / "midrun_rewards.py").write_text(REWARD_MODULE)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(SystemExit) as stopped:
+        main(["train", "recipe=bike_pricing", f"model.name_or_path={tiny_model_dir}", f"output_dir={tmp_path / 'runs'}",
+              "rollout.engine=hf", "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=8",
+              "eval.num_problems=2", "eval.every=0", "data.num_train=50", "data.num_heldout=10", "trainer.steps=2",
+              "rewards=[{name:midrun_rewards:boom,timeout_s:null}]"])
+    assert stopped.value.code == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[-1] == ("grpo train: error: reward function 'midrun_rewards:boom' failed on 4 of 4 samples at step 1: "
+                         "sample 3: raised ValueError: boom")
+    (log,) = (tmp_path / "runs" / "bike_pricing").glob("*/train.log")
+    assert "Traceback" in log.read_text()

@@ -105,14 +105,14 @@ def test_merge_token_means_weights_by_tokens_and_keeps_every_key():
 
 
 def test_non_finite_guard_warns_then_stops_after_max_bad_steps_in_a_row():
-    from grpo_cli.errors import UsageError
+    from grpo_cli.errors import RunFailure
 
     warnings: list[str] = []
     guard = NonFiniteGuard(max_bad_steps=2)
     guard.check({"skipped_nonfinite": 1}, 1, warnings.append)
     guard.check({"skipped_nonfinite": 0}, 2, warnings.append)  # a good step resets the count
     guard.check({"skipped_nonfinite": 1}, 3, warnings.append)
-    with pytest.raises(UsageError, match="2 steps in a row"):
+    with pytest.raises(RunFailure, match="2 steps in a row"):
         guard.check({"skipped_nonfinite": 1}, 4, warnings.append)
     assert [w.split(":")[0] for w in warnings] == ["step 1", "step 3", "step 4"]
 

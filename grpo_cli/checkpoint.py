@@ -261,14 +261,35 @@ def load_legacy_optimizer(optimizer: Any, model: Any, saved: dict[str, Any]) -> 
     optimizer.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
 
 
-def is_complete_checkpoint(path: Path) -> bool:
-    path = Path(path)
-    return (path / COMPLETE_MARKER).is_file() and (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+PARTIAL_TAGS = (".tmp-", ".old-")  # in the names of the directories an interrupted save leaves behind
 
 
-def read_info(path: Path) -> dict[str, Any]:
-    with open(Path(path) / COMPLETE_MARKER) as f:
-        return json.load(f)
+def is_partial(path: Path) -> bool:
+    """A directory an interrupted save left (NAME.tmp-PID, NAME.old-PID): never a checkpoint."""
+    return any(tag in Path(path).name for tag in PARTIAL_TAGS)
+
+
+def read_info(path: Path) -> dict[str, Any] | None:
+    """A checkpoint's checkpoint.json, or None when it is missing or not a JSON object."""
+    try:
+        info = json.loads((Path(path) / COMPLETE_MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    return info if isinstance(info, dict) else None
+
+
+def list_checkpoints(run_dir: Path) -> list[tuple[Path, dict[str, Any]]]:
+    """A run's complete checkpoints with their checkpoint.json, oldest first (by step, then name). The one
+    rule for complete: not a partial save's directory, and checkpoint.json (written last), config.json and
+    *.safetensors present. Resuming, pruning and `grpo eval` all list checkpoints through here."""
+    root = Path(run_dir) / "checkpoints"
+    found = []
+    for path in sorted(root.iterdir()) if root.is_dir() else []:
+        info = read_info(path) if path.is_dir() and not is_partial(path) else None
+        if info is not None and (path / "config.json").is_file() and any(path.glob("*.safetensors")):
+            found.append((path, info))
+    return sorted(found, key=lambda item: (item[1].get("step") if isinstance(item[1].get("step"), int) else -1,
+                                           item[0].name))
 
 
 def load_trainer_state(path: Path) -> dict[str, Any]:
@@ -279,14 +300,16 @@ def load_trainer_state(path: Path) -> dict[str, Any]:
 
 
 def step_checkpoints(run_dir: Path) -> list[Path]:
-    """Complete checkpoints of a run that can be resumed from, oldest first (by step)."""
-    root = Path(run_dir) / "checkpoints"
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir()
-             if p.is_dir() and ".tmp-" not in p.name and ".old-" not in p.name
-             and is_complete_checkpoint(p) and (p / TRAINER_STATE).is_file()]
-    return sorted(found, key=lambda p: read_info(p)["step"])
+    """Complete checkpoints of a run that can be resumed from (they hold a trainer state), oldest first."""
+    return [path for path, _ in list_checkpoints(run_dir) if (path / TRAINER_STATE).is_file()]
+
+
+def prune_checkpoints(run_dir: Path, keep_last: int) -> None:
+    """Delete periodic checkpoints beyond the newest `keep_last` complete ones (best and final are not
+    periodic; a partial save's directory is not a checkpoint and is left alone)."""
+    periodic = [path for path, _ in list_checkpoints(run_dir) if path.name.startswith(STEP_PREFIX)]
+    for old in periodic[:-keep_last]:
+        shutil.rmtree(old)
 
 
 def newest_run(output_dir: str, task: str) -> Path | None:

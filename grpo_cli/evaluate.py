@@ -43,13 +43,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from grpo_cli.checkpoint import COMPLETE_MARKER
+from grpo_cli.checkpoint import COMPLETE_MARKER, is_partial, list_checkpoints
 from grpo_cli.errors import UsageError
 
 RUN_CONFIG = "config.yaml"  # a run's resolved config, written by `grpo train`
 CHECKPOINTS = "checkpoints"  # a run's checkpoint folder
 KEYWORDS = ("latest", "best", "base")
-PARTIAL_TAGS = (".tmp-", ".old-")  # names of directories an interrupted save leaves behind
 BEST_KEYS = ("eval/pass@1", "pass@1")  # where checkpoint.json records a held-out pass@1, if it does
 EXPECTED = "a checkpoint directory (config.json + *.safetensors, + checkpoint.json for a run's checkpoint)"
 NO_CHECKPOINT = ("no checkpoint given; set checkpoint=PATH (or latest|best|base with run=DIR) "
@@ -270,38 +269,10 @@ def _check_run(run_dir: Path, name: str) -> None:
         raise UsageError(f"run={name}: is a file; expected a run directory of grpo train ({RUN_CONFIG}, {CHECKPOINTS}/)")
 
 
-def _read_info(path: Path) -> dict[str, Any] | None:
-    try:
-        info = json.loads((path / COMPLETE_MARKER).read_text())
-    except (OSError, ValueError):
-        return None
-    return info if isinstance(info, dict) else None
-
-
-def _is_partial(path: Path) -> bool:
-    return any(tag in path.name for tag in PARTIAL_TAGS)
-
-
-def run_checkpoints(run_dir: Path) -> list[tuple[Path, dict[str, Any]]]:
-    """A run's complete checkpoints with their checkpoint.json, oldest first (by step, then name)."""
-    root = run_dir / CHECKPOINTS
-    found = []
-    for path in sorted(root.iterdir()) if root.is_dir() else []:
-        info = _read_info(path) if path.is_dir() and not _is_partial(path) else None
-        if info is not None and (path / "config.json").is_file() and any(path.glob("*.safetensors")):
-            found.append((path, info))
-
-    def by_step(item: tuple[Path, dict[str, Any]]) -> tuple[int, str]:
-        step = item[1].get("step")
-        return (step if isinstance(step, int) else -1), item[0].name
-
-    return sorted(found, key=by_step)
-
-
 def _run_listing(run_dir: Path) -> str:
     """What a run's checkpoints folder holds, for error messages."""
     root = run_dir / CHECKPOINTS
-    complete = [p.name for p, _ in run_checkpoints(run_dir)]
+    complete = [p.name for p, _ in list_checkpoints(run_dir)]
     if complete:
         return f"checkpoints in {root}: {', '.join(complete)}"
     entries = sorted(p.name for p in root.iterdir()) if root.is_dir() else []
@@ -326,7 +297,7 @@ def check_checkpoint(path: Path, name: str) -> None:
     if not (path / "config.json").is_file() and ((path / CHECKPOINTS).is_dir() or (path / RUN_CONFIG).is_file()):
         raise UsageError(f"'{name}' is a run directory, not a checkpoint; {_run_listing(path)} "
                          f"(pass checkpoint=RUN_DIR/{CHECKPOINTS}/NAME, or checkpoint=latest run={name})")
-    if _is_partial(path) or (in_run and not (path / COMPLETE_MARKER).is_file()):
+    if is_partial(path) or (in_run and not (path / COMPLETE_MARKER).is_file()):
         where = f"; {_run_listing(parent.parent)}" if in_run else ""
         raise UsageError(f"'{name}' is a partial checkpoint (an interrupted save: no {COMPLETE_MARKER}, which a "
                          f"complete save writes last){where}")
@@ -394,7 +365,7 @@ def resolve(name: str, run_dir: Path | None, model_name_or_path: str) -> Target:
     if name in ("latest", "best"):
         if run_dir is None:
             raise UsageError(f"checkpoint={name} needs run=DIR, the run directory whose checkpoints it picks from")
-        found = run_checkpoints(run_dir)
+        found = list_checkpoints(run_dir)
         if not found:
             raise UsageError(f"run directory '{run_dir}' has no complete checkpoint for checkpoint={name}; "
                              f"{_run_listing(run_dir)}")

@@ -129,7 +129,7 @@ def resume_or_start(cfg: TrainConfig, run_dir: Path, model_path: str) -> Start:
     path = str(step_checkpoints(run_dir)[-1])
     if damage := damaged_weights(path):
         raise UsageError(f"resume: {damage}")
-    info = read_info(Path(path))
+    info = read_info(Path(path))  # a complete checkpoint's: list_checkpoints read it already
     check_same_run(info["config"], dataclasses.asdict(cfg))
     if info["step"] >= cfg.trainer.steps:
         raise UsageError(f"nothing to resume: {path} is at step {info['step']} and trainer.steps="

@@ -252,7 +252,7 @@ def maybe_checkpoint(policy: Any, tokenizer: Any, optimizer: Any, scheduler: Any
     end and when `save_now`; returns the best pass@1 so far."""
     import dataclasses
 
-    from grpo_cli.checkpoint import STEP_PREFIX, save_checkpoint, trainer_state
+    from grpo_cli.checkpoint import STEP_PREFIX, prune_checkpoints, save_checkpoint, trainer_state
 
     step = metrics["step"]
     info = {"step": step, "task": cfg.task, "base_model": base_model, "config": dataclasses.asdict(cfg),
@@ -265,19 +265,8 @@ def maybe_checkpoint(policy: Any, tokenizer: Any, optimizer: Any, scheduler: Any
         save_checkpoint(policy, tokenizer, run_dir / "checkpoints" / name, info,
                         trainer_state(optimizer, scheduler, cursor, best_pass, schedule_steps), optimizer=optimizer, dist=dist)
         if dist.is_main:
-            prune_checkpoints(run_dir / "checkpoints", cfg.checkpoint.keep_last)
+            prune_checkpoints(run_dir, cfg.checkpoint.keep_last)
     return best_pass
-
-
-def prune_checkpoints(root: Path, keep_last: int) -> None:
-    """Delete periodic checkpoints beyond the newest `keep_last` (best and final are not periodic)."""
-    import shutil
-
-    from grpo_cli.checkpoint import STEP_PREFIX
-
-    periodic = sorted(p for p in root.glob(f"{STEP_PREFIX}*") if p.is_dir() and ".tmp-" not in p.name)
-    for old in periodic[:-keep_last]:
-        shutil.rmtree(old)
 
 
 class GracefulStop:

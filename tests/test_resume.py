@@ -302,6 +302,24 @@ def test_a_resume_with_other_trainer_steps_keeps_the_original_lr_schedule(tmp_pa
         train.run(longer, shorter)
 
 
+def test_pruning_counts_only_complete_checkpoints(tmp_path, tiny_model_dir):
+    """A directory an interrupted save left (step_N.old-PID, step_N.tmp-PID) is not a checkpoint: pruning,
+    resuming and `grpo eval` list checkpoints by one rule, so the newest complete one is always kept."""
+    import shutil
+
+    from grpo_cli.checkpoint import load_policy, load_tokenizer, prune_checkpoints, save_checkpoint, step_checkpoints
+
+    model, tokenizer = load_policy(str(tiny_model_dir), "float32"), load_tokenizer(str(tiny_model_dir))
+    root = tmp_path / "checkpoints"
+    for step in (1, 2):
+        save_checkpoint(model, tokenizer, root / f"step_{step:06d}", {"step": step}, {"step": step})
+    shutil.copytree(root / "step_000002", root / "step_000002.old-4242")  # a crash between the two renames
+    (root / "step_000003.tmp-4242").mkdir()  # a save cut short
+    prune_checkpoints(tmp_path, keep_last=1)
+    assert sorted(p.name for p in root.iterdir()) == ["step_000002", "step_000002.old-4242", "step_000003.tmp-4242"]
+    assert [p.name for p in step_checkpoints(tmp_path)] == ["step_000002"]
+
+
 def test_a_reward_that_fails_mid_run_stops_it_with_exit_1(tmp_path, tiny_model_dir, monkeypatch, capsys):
     """A failure during the run is not a usage error: one line naming the function and the step, exit 1
     (2 is for bad input, found before any model loads), the traceback in the run's log."""

@@ -362,8 +362,8 @@ def load_rewards(specs: list) -> list[WeightedReward]:
 
 
 def correctness_name(rewards: list[WeightedReward]) -> str:
-    """The name of the reward that is the task's correctness check (load_rewards made sure there is one)."""
-    return next(r.name for r in rewards if r.correctness)
+    """The name of the reward that is the task's correctness check: the one marked, or the only one."""
+    return next(r.name for r in rewards if r.correctness or len(rewards) == 1)
 
 
 def required_columns(fn: RewardFn) -> list[str]:

@@ -67,10 +67,7 @@ def run(cfg: TrainConfig, run_dir: Path) -> int:
             out.record({"step": 0, **evaluate(engine, task.heldout_rows[: cfg.eval.num_problems], encode,
                                               task.reward_fns, cfg, 0, dist)})
         else:
-            out.console.info(f"resumed from {start.path} at step {start.step}{out.resume_note(start.info)}")
-            if t_cfg.lr_schedule != "constant" and start.schedule_steps != t_cfg.steps:
-                out.console.info(f"lr schedule: {t_cfg.lr_schedule} over the original run's {start.schedule_steps} "
-                                 f"steps, kept (this run stops at trainer.steps={t_cfg.steps})")
+            out.resumed(start)
         for step in range(start.step + 1, t_cfg.steps + 1):
             timings = monitor.StepTimer()
             collective_start = COLLECTIVE_SECONDS[0]
@@ -184,12 +181,16 @@ class RunOutput:
         """The header's note on the processes (nothing for one)."""
         return f" | {self.dist.world_size} processes (FSDP2, an engine each)" if self.dist.world_size > 1 else ""
 
-    def resume_note(self, info: dict[str, Any]) -> str:
-        """" (saved by 2 processes, resumed on 1)" when a resume changes the world size, else ""."""
-        saved = info.get("world_size", 1)
-        if saved == self.dist.world_size:
-            return ""
-        return f" (saved by {saved} process{'es' * (saved > 1)}, resumed on {self.dist.world_size})"
+    def resumed(self, start: Any) -> None:
+        """The resume's console lines: where from, "(saved by 2 processes, resumed on 1)" when the world
+        size changed, and the lr schedule kept from the original run when trainer.steps changed."""
+        saved, t_cfg = start.info.get("world_size", 1), self.cfg.trainer
+        note = "" if saved == self.dist.world_size else \
+            f" (saved by {saved} process{'es' * (saved > 1)}, resumed on {self.dist.world_size})"
+        self.console.info(f"resumed from {start.path} at step {start.step}{note}")
+        if t_cfg.lr_schedule != "constant" and start.schedule_steps != t_cfg.steps:
+            self.console.info(f"lr schedule: {t_cfg.lr_schedule} over the original run's {start.schedule_steps} steps, "
+                              f"kept (this run stops at trainer.steps={t_cfg.steps})")
 
     def header(self, line: str) -> None:
         """The run's first console lines: what runs, then the loggers' notes (e.g. wandb offline)."""

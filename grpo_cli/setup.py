@@ -67,9 +67,9 @@ def preflight(cfg: TrainConfig) -> Task:
         raise UsageError(f"model.name_or_path: {damage}")
     from transformers import AutoConfig
 
-    from grpo_cli import grpo
+    from grpo_cli import passes
 
-    if reason := grpo.shared_prompt_unsupported(AutoConfig.from_pretrained(model_path)):
+    if reason := passes.shared_prompt_unsupported(AutoConfig.from_pretrained(model_path)):
         raise UsageError(f"model.name_or_path: {reason}")
     task = Task(train_rows, heldout_rows, reward_fns, model_path, load_tokenizer(model_path))
     check_prompt_lengths(task, cfg)

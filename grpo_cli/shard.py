@@ -5,9 +5,9 @@ with the lm_head in one more (the embedding and lm_head share a tensor when tied
 must be in one group). Two things differ from a stock FSDP2 set-up, both because of how the
 loop calls the model:
 
-- The loss reads `lm_head.weight` directly (chunked logprobs, grpo.logprobs_from_hidden), and
+- The loss reads `lm_head.weight` directly (chunked logprobs, passes.logprobs_from_hidden), and
   the shared prompt pass runs the body once and backpropagates into it after every
-  micro-batch (grpo.prompt_backward). So parameters stay gathered from the first forward of
+  micro-batch (passes.prompt_backward). So parameters stay gathered from the first forward of
   an optimizer step until `reshard_all` after its last backward (reshard_after_forward and
   reshard_after_backward off). At rest (while the engine generates, in the optimizer step)
   every parameter, gradient and AdamW moment is sharded.
@@ -35,7 +35,7 @@ class ShardedLM(torch.nn.Module):
     """The FSDP2 root: every pass on the model goes through its forward, `sharded(fn, *args)` =
     `fn(model, *args)`, so FSDP2's root hooks (gather the embedding, norm and lm_head; reduce
     their gradients after the backward) run around the loop's own model calls
-    (grpo.prompt_states, grpo.completion_logprobs), which reach into the body and lm_head."""
+    (passes.prompt_states, passes.completion_logprobs), which reach into the body and lm_head."""
 
     def __init__(self, module: torch.nn.Module) -> None:
         super().__init__()
@@ -55,14 +55,14 @@ def shard_model(model: Any, dist: Any) -> Any:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from grpo_cli.grpo import _body_and_head
+    from grpo_cli.passes import body_and_head
 
     # FSDP2 warns when a root's output is a view (an in-place op on it would skip its pre-backward hook).
     # The passes return logprobs built out of place (torch.cat, reshape) and nothing writes into them.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPShardedLM\) returned a view tensor")
     # the mesh on the run's device type: without it FSDP2 picks CUDA whenever CUDA exists (trainer.device=cpu too)
     mesh = init_device_mesh(torch.device(dist.device).type, (dist.world_size,))
-    body, _ = _body_and_head(model)
+    body, _ = body_and_head(model)
     for layer in body.layers:
         fully_shard(layer, mesh=mesh, reshard_after_forward=False)
     root = fully_shard(ShardedLM(model), mesh=mesh, reshard_after_forward=False)

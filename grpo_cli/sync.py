@@ -59,7 +59,7 @@ def push_check(engine: Any, policy: Any, sequences: list[list[int]], prompt_lens
 
     import torch
 
-    from grpo_cli import grpo
+    from grpo_cli import passes
     from grpo_cli.shard import reshard_all, run_pass
 
     engine_lp = engine.score(sequences)
@@ -67,7 +67,7 @@ def push_check(engine: Any, policy: Any, sequences: list[list[int]], prompt_lens
     with torch.no_grad(), (autocast or contextlib.nullcontext)():
         for seq, n, elp in zip(sequences, prompt_lens, engine_lp):
             ids = torch.tensor([seq], device=device)  # [1, T]
-            trainer_lp = run_pass(policy, grpo.token_logprobs_reference, ids, torch.ones_like(ids))[0]  # [T-1]
+            trainer_lp = run_pass(policy, passes.token_logprobs_reference, ids, torch.ones_like(ids))[0]  # [T-1]
             diff = (trainer_lp[n - 1:] - torch.tensor(elp[n - 1:], device=device)).abs()  # [T-n] completion tokens
             worst = max(worst, float(diff.mean()) if diff.numel() else 0.0)
     reshard_all(policy)

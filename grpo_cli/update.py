@@ -1,7 +1,7 @@
 """The update stage: logprobs of a model without grad, then `ppo_epochs x minibatches` optimizer steps.
 
 Every pass shares the train batch's padding and runs each prompt of a minibatch once
-(`grpo.prompt_states`); the completions of every micro-batch attend to it. In an optimizer
+(`passes.prompt_states`); the completions of every micro-batch attend to it. In an optimizer
 step the prompts' gradient builds up on detached leaves over the micro-batches and goes
 back through the prompt pass once, after the last one.
 """
@@ -46,14 +46,14 @@ def score_logprobs(model: Any, batch: TrainBatch, chunk_tokens: int, temperature
 
     import torch
 
-    from grpo_cli import grpo
+    from grpo_cli import passes
     from grpo_cli.shard import reshard_all, run_pass
 
     out = []
     with torch.no_grad(), (autocast or contextlib.nullcontext)():
         for part in batch.minibatches:
-            prompts = run_pass(model, grpo.prompt_states, part.prompt_ids, part.prompt_mask)  # each prompt once
-            out += [run_pass(model, grpo.completion_logprobs, prompts, mb.prompt_index, mb.ids, mb.mask, chunk_tokens,
+            prompts = run_pass(model, passes.prompt_states, part.prompt_ids, part.prompt_mask)  # each prompt once
+            out += [run_pass(model, passes.completion_logprobs, prompts, mb.prompt_index, mb.ids, mb.mask, chunk_tokens,
                              temperature=temperature) for mb in part.micro_batches]  # [b, Tc] each
             reshard_all(model)  # FSDP (world size > 1): back to this rank's shards
     return out
@@ -140,7 +140,7 @@ def minibatch_step(policy: Any, optimizer: Any, scheduler: Any, part: Any, param
     stats into `sums`; returns loss, grad norm, finite, and the mismatch sum and token count."""
     import torch
 
-    from grpo_cli import grpo
+    from grpo_cli import grpo, passes
     from grpo_cli.shard import grad_norm_value, reshard_all, run_pass
 
     t_cfg = cfg.trainer
@@ -148,12 +148,12 @@ def minibatch_step(policy: Any, optimizer: Any, scheduler: Any, part: Any, param
     optimizer.zero_grad(set_to_none=True)
     loss_total, mismatch_sum, mismatch_tokens = 0.0, 0.0, 0
     with dist.autocast(cfg.model.dtype):  # forward passes in the compute dtype; logprobs and loss in float32
-        prompts = run_pass(policy, grpo.prompt_states, part.prompt_ids, part.prompt_mask)  # autograd: backward at the end
-    leaves = grpo.prompt_leaves(prompts)  # collect the prompts' gradient over the micro-batches
+        prompts = run_pass(policy, passes.prompt_states, part.prompt_ids, part.prompt_mask)  # autograd: backward at the end
+    leaves = passes.prompt_leaves(prompts)  # collect the prompts' gradient over the micro-batches
     for mb in part.micro_batches:
         with dist.autocast(cfg.model.dtype):
             logps, entropy = run_pass(
-                policy, grpo.completion_logprobs, leaves, mb.prompt_index, mb.ids, mb.mask, t_cfg.logprob_chunk_tokens,
+                policy, passes.completion_logprobs, leaves, mb.prompt_index, mb.ids, mb.mask, t_cfg.logprob_chunk_tokens,
                 temperature=cfg.rollout.temperature, with_entropy=True,
                 entropy_grad=params.entropy_coef > 0)  # [b, Tc] x 2
         inputs = grpo.LossInputs(logps, mb.mask, mb.advantages, old_logprobs=mb.old_logprobs,
@@ -166,7 +166,7 @@ def minibatch_step(policy: Any, optimizer: Any, scheduler: Any, part: Any, param
         # train/inference mismatch: the engine's sampling logprobs vs the trainer's, same tokens
         mismatch_sum += float(((logps.detach() - mb.sampling_logprobs).abs() * mb.mask).sum())
         mismatch_tokens += int(mb.mask.sum())
-    grpo.prompt_backward(prompts, leaves)  # the prompts' share of the gradient
+    passes.prompt_backward(prompts, leaves)  # the prompts' share of the gradient
     reshard_all(policy)  # FSDP (world size > 1): sharded parameters and gradients for the clip and the step
     grad_norm = grad_norm_value(torch.nn.utils.clip_grad_norm_(policy.parameters(), t_cfg.max_grad_norm))
     finite = dist.all(math.isfinite(grad_norm) and math.isfinite(loss_total))

@@ -309,7 +309,7 @@ def worker_memory(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     import torch.nn.functional as F
 
-    from grpo_cli.grpo import logprobs_from_hidden
+    from grpo_cli.passes import logprobs_from_hidden
 
     torch.set_num_threads(os.cpu_count() or 1)
     g = torch.Generator().manual_seed(0)
@@ -348,7 +348,7 @@ def worker_gpu(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from grpo_cli import grpo
+    from grpo_cli import grpo, passes
 
     config = Qwen2Config(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                          num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
@@ -365,7 +365,7 @@ def worker_gpu(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {"device": torch.cuda.get_device_name(), "params": params, "batch": [batch, seq]}
 
     def ours() -> None:
-        logp = grpo.token_logprobs(model, ids, attn, chunk_tokens=4096)  # [B, T-1]
+        logp = passes.token_logprobs(model, ids, attn, chunk_tokens=4096)  # [B, T-1]
         loss, _ = grpo.grpo_loss(grpo.LossInputs(logp, mask, adv))
         loss.backward()
 

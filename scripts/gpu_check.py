@@ -91,14 +91,14 @@ def bf16_numerics(model: Any, batch: dict[str, Any], w: dict[str, int], device: 
     """The same weights' logprobs of the sampled tokens with bf16 autocast vs fp32."""
     import torch
 
-    from grpo_cli import grpo
+    from grpo_cli import passes
 
     out = {}
     with torch.no_grad():
         for name, on in (("fp32", False), ("bf16", True)):
             with autocast(device, on):
-                prompts = grpo.prompt_states(model, batch["prompt_ids"], batch["prompt_mask"])
-                out[name] = grpo.completion_logprobs(model, prompts, batch["prompt_index"], batch["completion_ids"],
+                prompts = passes.prompt_states(model, batch["prompt_ids"], batch["prompt_mask"])
+                out[name] = passes.completion_logprobs(model, prompts, batch["prompt_index"], batch["completion_ids"],
                                                      batch["completion_mask"], w["chunk"])  # [P*G, Tc]
     mask = batch["completion_mask"].bool()
     diff = (out["bf16"] - out["fp32"]).abs()[mask]
@@ -110,24 +110,24 @@ def update_step(model: Any, optimizer: Any, batch: dict[str, Any], w: dict[str, 
     """One GRPO update as the trainer runs it: prompts once, micro-batches, one backward through the prompts."""
     import torch
 
-    from grpo_cli import grpo
+    from grpo_cli import grpo, passes
 
     optimizer.zero_grad(set_to_none=True)
     mask = batch["completion_mask"]
     normalizer = grpo.NORMALIZERS["grpo"](mask, grpo.DEFAULT_PARAMS)
     with autocast(device, True):
-        prompts = grpo.prompt_states(model, batch["prompt_ids"], batch["prompt_mask"])
-    leaves = grpo.prompt_leaves(prompts)
+        prompts = passes.prompt_states(model, batch["prompt_ids"], batch["prompt_mask"])
+    leaves = passes.prompt_leaves(prompts)
     total = 0.0
     for start in range(0, mask.shape[0], w["micro_batch"]):
         rows = slice(start, start + w["micro_batch"])
         with autocast(device, True):
-            logp = grpo.completion_logprobs(model, leaves, batch["prompt_index"][rows], batch["completion_ids"][rows],
+            logp = passes.completion_logprobs(model, leaves, batch["prompt_index"][rows], batch["completion_ids"][rows],
                                             mask[rows], w["chunk"])  # [b, Tc] float32
         loss, _ = grpo.grpo_loss(grpo.LossInputs(logp, mask[rows], batch["advantages"][rows], normalizer=normalizer))
         loss.backward()
         total += float(loss.detach())
-    grpo.prompt_backward(prompts, leaves)
+    passes.prompt_backward(prompts, leaves)
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
     return total
@@ -138,7 +138,7 @@ def fsdp_step(model: Any, optimizer: Any, batch: dict[str, Any], w: dict[str, in
     module, so FSDP's hooks gather and reduce every parameter; logprobs chunked from the last hidden state."""
     import torch
 
-    from grpo_cli import grpo
+    from grpo_cli import grpo, passes
 
     optimizer.zero_grad(set_to_none=True)
     mask = batch["completion_mask"]
@@ -155,7 +155,7 @@ def fsdp_step(model: Any, optimizer: Any, batch: dict[str, Any], w: dict[str, in
                        logits_to_keep=1).hidden_states[-1]  # [b, T, H] after the final norm
         head = model.get_output_embeddings().weight
         weight = head.full_tensor() if hasattr(head, "full_tensor") else head
-        logp = grpo.logprobs_from_hidden(hidden[:, Tp - 1:-1], weight, ids[rows, Tp:],
+        logp = passes.logprobs_from_hidden(hidden[:, Tp - 1:-1], weight, ids[rows, Tp:],
                                          chunk_tokens=w["chunk"])  # [b, Tc]
         loss, _ = grpo.grpo_loss(grpo.LossInputs(logp, mask[rows], batch["advantages"][rows], normalizer=normalizer))
         loss.backward()

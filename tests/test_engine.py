@@ -31,7 +31,7 @@ def shipped():
 def test_vllm_push_changes_engine_logprobs_to_match_trainer(vllm_engine, shipped):
     import torch
 
-    from grpo_cli import grpo
+    from grpo_cli import passes
     from grpo_cli.prompts import render_plain
     from grpo_cli.rollout import sample_seeds
 
@@ -49,7 +49,7 @@ def test_vllm_push_changes_engine_logprobs_to_match_trainer(vllm_engine, shipped
         for p in policy.parameters():
             p.add_(torch.randn_like(p) * 0.02)
     ids = torch.tensor([seq])
-    trainer = grpo.token_logprobs_reference(policy, ids, torch.ones_like(ids))[0]  # [T-1]
+    trainer = passes.token_logprobs_reference(policy, ids, torch.ones_like(ids))[0]  # [T-1]
     assert (trainer - before).abs().max() > 1e-2  # the nudge matters to the trainer...
 
     vllm_engine.push_weights(policy.state_dict().items())

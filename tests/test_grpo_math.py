@@ -1,4 +1,5 @@
-"""The GRPO math against hand-computed values (tier 1: CPU, seconds)."""
+"""The GRPO math (grpo.py) and the model passes (passes.py) against hand-computed values and plain
+forward passes (tier 1: CPU, seconds)."""
 
 import math
 
@@ -11,20 +12,22 @@ from grpo_cli.grpo import (
     LossInputs,
     LossParams,
     clipped_surrogate,
-    completion_logprobs,
     group_advantages,
     grpo_loss,
     kl_k3,
+    round_rewards,
+    token_mean_loss,
+    zero_variance_groups,
+)
+from grpo_cli.passes import (
+    completion_logprobs,
     logprobs_from_hidden,
     prompt_backward,
     prompt_leaves,
     prompt_states,
-    round_rewards,
     shared_prompt_unsupported,
     token_logprobs,
     token_logprobs_reference,
-    token_mean_loss,
-    zero_variance_groups,
 )
 
 # ---------------------------------------------------------------------------- advantages

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from grpo_cli import config as schema
-from grpo_cli import grpo
+from grpo_cli import grpo, passes
 from grpo_cli.grpo import LOSSES, LossInputs, LossParams
 
 
@@ -238,11 +238,11 @@ def test_entropy_comes_from_the_same_chunks_and_its_bonus_has_the_right_gradient
     hidden = torch.randn(2, 3, 8, generator=g, requires_grad=True)
     weight = torch.randn(11, 8, generator=g)
     targets = torch.randint(0, 11, (2, 3), generator=g)
-    logp, entropy = grpo.logprobs_from_hidden(hidden, weight, targets, chunk_tokens=4, with_entropy=True,
+    logp, entropy = passes.logprobs_from_hidden(hidden, weight, targets, chunk_tokens=4, with_entropy=True,
                                               entropy_grad=True)  # [2, 3] x 2
     logits = hidden @ weight.T  # [2, 3, 11]
     torch.testing.assert_close(entropy, torch.distributions.Categorical(logits=logits).entropy())
-    torch.testing.assert_close(logp, grpo.logprobs_from_hidden(hidden, weight, targets, chunk_tokens=4))
+    torch.testing.assert_close(logp, passes.logprobs_from_hidden(hidden, weight, targets, chunk_tokens=4))
     mask = torch.ones(2, 3)
     loss, stats = grpo.token_mean_loss(LossInputs(logp, mask, torch.zeros(2), entropy=entropy),
                                        LossParams(entropy_coef=0.1))

@@ -457,6 +457,12 @@ def _make_app(command: str) -> Callable[[], Any]:
         if code:
             sys.exit(code)
 
+    # Every config comes from the ConfigStore. A task function defined in a module makes Hydra add that
+    # module's package (pkg://grpo_cli) to the config search path, where a subpackage such as
+    # grpo_cli/rewards would be a config group shadowing the `rewards` key ("Could not override
+    # 'rewards'"); one in __main__ with config_path=None gets no search path directory at all
+    # (hydra._internal.utils.detect_calling_file_or_module_from_task_function).
+    task.__module__ = "__main__"
     return hydra.main(version_base=None, config_path=None, config_name=command)(task)
 
 

@@ -35,8 +35,10 @@ def test_version_is_the_projects():
 
 
 def test_cfg_job_prints_resolved_config_with_overrides():
-    out = grpo("train", "recipe=bike_pricing", "rollout.group_size=16", "trainer.lr=3e-6", "--cfg", "job")
+    out = grpo("train", "recipe=bike_pricing", "rollout.group_size=16", "trainer.lr=3e-6", "rewards=[{name:correct}]",
+               "--cfg", "job")
     assert out.returncode == 0, out.stderr
+    assert "rewards:\n- name: correct\n  weight: 1.0\n" in out.stdout  # a key that is also a subpackage's name
     assert "group_size: 16" in out.stdout
     assert "lr: 3.0e-06" in out.stdout
     assert "task: bike_pricing" in out.stdout

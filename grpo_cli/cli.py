@@ -51,7 +51,7 @@ COMMANDS: dict[str, Command] = {
                     recipe_from="grpo_cli.evaluate:run_config_path"),
     "check": Command("print a recipe's batch arithmetic and settings that do nothing (loads no model)",
                      "grpo_cli.check:run_check", False),
-    "reward": Command("score hand-written completions with a recipe's rewards", "grpo_cli.rewards:run_cases", False),
+    "reward": Command("score hand-written completions with a recipe's rewards", "grpo_cli.rewards.cases:run_cases", False),
     "export": Command("write a recipe's generated problems to JSONL", "grpo_cli.data:run_export", False),
     "plot": Command("plot a run's metrics to a PNG", "grpo_cli.plot:run_plot", False, needs_recipe=False),
 }
@@ -122,7 +122,7 @@ def _did_you_mean(word: str, choices: list[str]) -> str:
     return f" (did you mean '{close[0]}'?)" if close else ""
 
 
-def _one_line(exc: BaseException, schema: type) -> str:
+def _config_error_line(exc: BaseException, schema: type) -> str:
     """Turn a Hydra/OmegaConf composition or validation error into one line naming the full key."""
     from omegaconf.errors import (
         ConfigAttributeError,
@@ -344,7 +344,7 @@ def _compose_and_validate(command: str, overrides: list[str], config_dir: str | 
     except UsageError:
         raise
     except Exception as e:
-        raise UsageError(_one_line(e, schema)) from None
+        raise UsageError(_config_error_line(e, schema)) from None
     finally:
         GlobalHydra.instance().clear()
     if getattr(config, "resume", None):
@@ -369,7 +369,7 @@ def validate(cfg: Any, schema: type) -> Any:
     try:
         config = OmegaConf.to_object(cfg)
     except Exception as e:
-        raise UsageError(_one_line(e, schema)) from None
+        raise UsageError(_config_error_line(e, schema)) from None
     if not isinstance(config, schema):  # e.g. a recipe that replaced the root
         raise UsageError(f"the composed config is not a {schema.__name__}")
     return config

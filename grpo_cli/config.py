@@ -12,8 +12,8 @@ from typing import Any
 
 from omegaconf import MISSING
 
-from grpo_cli.answers import ANSWER_FORMATS  # pure: re and decimal only
 from grpo_cli.prompts import CHAT_INSTRUCTION  # pure
+from grpo_cli.rewards.answers import ANSWER_FORMATS  # pure: re and decimal only
 
 BUILTIN_MODEL = "builtin:bike_base"  # the small model shipped inside the package
 

@@ -23,17 +23,13 @@ import random
 from pathlib import Path
 from typing import Any
 
-from grpo_cli.errors import UsageError
+from grpo_cli.errors import UsageError, one_line
 
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
 
 
 # ---------------------------------------------------------------------------
 # reading rows
-
-
-def _one_line(e: Exception) -> str:
-    return f"{type(e).__name__}: {' '.join(str(e).split())}"[:300]
 
 
 def _first_bad_json_line(path: Path) -> str | None:
@@ -52,7 +48,7 @@ def _first_bad_json_line(path: Path) -> str | None:
                 if not isinstance(row, dict):
                     return f"line {lineno} is not a JSON object"
     except (OSError, UnicodeDecodeError) as e:
-        return _one_line(e)
+        return one_line(e)
     return None if rows else "it has no rows"
 
 
@@ -79,7 +75,7 @@ def read_file_rows(path_text: str, key: str = "data.source") -> list[dict]:
     try:
         dataset = datasets.load_dataset(builder, data_files=str(path.resolve()), split="train")
     except Exception as e:
-        why = (_first_bad_json_line(path) if path.suffix == ".jsonl" else None) or _one_line(e)
+        why = (_first_bad_json_line(path) if path.suffix == ".jsonl" else None) or one_line(e)
         raise UsageError(f"{key}: cannot read '{path_text}': {why}") from None
     return dataset.to_list()
 
@@ -94,7 +90,7 @@ def read_hub_rows(spec: str, default_split: str, key: str = "data.source", hub_c
     try:
         dataset = datasets.load_dataset(name, hub_config, split=split)
     except Exception as e:
-        raise UsageError(f"{key}: cannot load hub dataset '{name}' (split '{split}'): {_one_line(e)}") from None
+        raise UsageError(f"{key}: cannot load hub dataset '{name}' (split '{split}'): {one_line(e)}") from None
     return dataset.to_list()
 
 
@@ -212,7 +208,7 @@ def run_export(config: Any, run_dir: Any) -> int:
         write_jsonl(out / "train.jsonl", train)
         write_jsonl(out / "heldout.jsonl", heldout)
     except OSError as e:
-        raise UsageError(f"out: cannot write into '{config.out}': {_one_line(e)}") from None
+        raise UsageError(f"out: cannot write into '{config.out}': {one_line(e)}") from None
     print(f"wrote {len(train)} train rows to {out / 'train.jsonl'}")
     print(f"wrote {len(heldout)} held-out rows to {out / 'heldout.jsonl'}")
     print(f"train on them with: data.source={out / 'train.jsonl'} data.heldout_source={out / 'heldout.jsonl'}")

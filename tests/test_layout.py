@@ -13,12 +13,20 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def _runtime_nodes(tree: ast.AST) -> list[ast.AST]:
+    """Every node but those under `if TYPE_CHECKING:` (imports for annotations only, never run)."""
+    skipped = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
+               and isinstance(block.test, ast.Name) and block.test.id == "TYPE_CHECKING"
+               for stmt in block.body for n in ast.walk(stmt)}
+    return [n for n in ast.walk(tree) if id(n) not in skipped]
+
+
 def import_graph() -> dict[str, set[str]]:
-    """Module -> the package modules it imports anywhere (module level or inside a function)."""
+    """Module -> the package modules it imports when it runs (module level or inside a function)."""
     modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
     graph: dict[str, set[str]] = {name: set() for name in modules}
     for name, path in modules.items():
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in _runtime_nodes(ast.parse(path.read_text())):
             targets = []
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]

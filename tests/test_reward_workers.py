@@ -148,11 +148,11 @@ def test_the_prompt_reaches_the_worker():
 
 
 def test_a_lambda_cannot_run_in_a_worker_and_says_so():
-    from grpo_cli.reward_worker import RewardWorker
     from grpo_cli.rewards import WeightedReward
+    from grpo_cli.rewards.worker import RewardWorker
 
     fn = lambda completions, **kw: [1.0] * len(completions)  # noqa: E731
-    reward = WeightedReward("lam", fn, 1.0, {}, 1.0, "zero", RewardWorker("lam", fn, 1.0))
+    reward = WeightedReward("lam", fn, 1.0, {}, 1.0, "zero", worker=RewardWorker("lam", fn, 1.0))
     failures = RewardFailures()
     score([reward], ["a"], {}, "answer_line", failures)
     assert "define it at module level, or set timeout_s: null" in failures.last_error["lam"]

@@ -17,11 +17,9 @@ import signal
 import time
 from typing import Any
 
+from grpo_cli.errors import one_line
+
 START_TIMEOUT_S = 120.0  # a worker's import of its module (e.g. math-verify, sympy) must finish in this time
-
-
-def _one_line(e: BaseException) -> str:
-    return f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
 
 
 def _serve(conn: Any, fn: Any) -> None:
@@ -41,7 +39,7 @@ def _serve(conn: Any, fn: Any) -> None:
         try:
             conn.send(result)
         except Exception as e:  # values pickle cannot carry back (a generator's frames, a lock, ...)
-            conn.send(("type", f"returned values that cannot be sent back: {_one_line(e)}"))
+            conn.send(("type", f"returned values that cannot be sent back: {one_line(e, 240)}"))
 
 
 def call_in_process(fn: Any, completions: list, kwargs: dict[str, Any]) -> tuple[str, Any]:
@@ -49,13 +47,13 @@ def call_in_process(fn: Any, completions: list, kwargs: dict[str, Any]) -> tuple
     try:
         out = fn(completions, **kwargs)
     except Exception as e:
-        return "raised", f"raised {_one_line(e)}"
+        return "raised", f"raised {one_line(e, 240)}"
     if isinstance(out, str | bytes | dict) or not hasattr(out, "__iter__"):
         return "type", f"returned {type(out).__name__}, not a list of numbers"
     try:
         return "ok", list(out)
     except Exception as e:
-        return "raised", f"raised while its result was read: {_one_line(e)}"
+        return "raised", f"raised while its result was read: {one_line(e, 240)}"
 
 
 class RewardWorker:
@@ -78,7 +76,7 @@ class RewardWorker:
             self.process = None
             parent.close()
             child.close()
-            return "raised", f"cannot run in a worker ({_one_line(e)}); define it at module level, or set timeout_s: null"
+            return "raised", f"cannot run in a worker ({one_line(e, 240)}); define it at module level, or set timeout_s: null"
         child.close()
         self.conn = parent
         if not parent.poll(START_TIMEOUT_S):
@@ -104,7 +102,7 @@ class RewardWorker:
             self.conn.send((completions, kwargs))
         except Exception as e:  # e.g. a column value that cannot be pickled
             self.kill()
-            return "raised", f"its inputs could not be sent to the worker: {_one_line(e)}"
+            return "raised", f"its inputs could not be sent to the worker: {one_line(e, 240)}"
         if not self.conn.poll(self.timeout_s):
             self.kill()
             return "timeout", f"timed out after {self.timeout_s:g} s (worker killed)"
@@ -116,7 +114,7 @@ class RewardWorker:
             return "raised", f"its worker died after {time.monotonic() - started:.1f} s (exit code {code})"
         except Exception as e:  # the result could not be unpickled
             self.kill()
-            return "type", f"returned values that cannot be sent back: {_one_line(e)}"
+            return "type", f"returned values that cannot be sent back: {one_line(e, 240)}"
         return result
 
     def kill(self) -> None:

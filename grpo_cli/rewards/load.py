@@ -1,0 +1,143 @@
+"""From a recipe's `rewards` list to callable, weighted rewards, checked before any model loads.
+
+A built-in name (grpo_cli.rewards.builtin) or a custom `package.module:function`, imported from the
+Python path (the working directory included); a reward with `timeout_s` gets a killable worker
+process (grpo_cli.rewards.worker). Exactly one reward is the task's correctness check.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import inspect
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+from grpo_cli.errors import UsageError
+from grpo_cli.rewards.builtin import BUILTIN_REWARDS, RewardFn
+from grpo_cli.rewards.score import RESERVED
+
+ON_FAILURE = ("zero", "drop")  # rewards[i].on_failure: a failed sample scores 0, or leaves the loss
+
+
+@dataclass(frozen=True)
+class WeightedReward:
+    name: str  # as written in the recipe: a builtin name or "module:function"
+    fn: RewardFn
+    weight: float
+    args: dict = field(default_factory=dict)  # the recipe's extra keyword arguments (rewards[i].args)
+    timeout_s: float | None = None  # per call (one prompt's group); None = called in the trainer's process, no limit
+    on_failure: str = "zero"  # a sample it fails on scores 0 ("zero") or leaves the loss ("drop")
+    correctness: bool = False  # the task's correctness check (pass@1, zero-variance groups, best checkpoint)
+    worker: Any = field(default=None, compare=False, repr=False)  # a worker.RewardWorker when timeout_s is set
+
+
+def load_reward(name: str) -> RewardFn:
+    """A builtin reward by name, or a custom one as "package.module:function"."""
+    if name in BUILTIN_REWARDS:
+        return BUILTIN_REWARDS[name]
+    if ":" not in name:
+        close = difflib.get_close_matches(name, BUILTIN_REWARDS, n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        raise UsageError(f"unknown reward '{name}'{hint}; built-in: {', '.join(BUILTIN_REWARDS)}, "
+                           "or a custom one as package.module:function")
+    module_name, _, func_name = name.partition(":")
+    if not module_name or not func_name:
+        raise UsageError(f"reward '{name}' must look like package.module:function")
+    # Like `python -m`, let a rewards module in the current directory be found.
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        raise UsageError(f"reward '{name}': cannot import module '{module_name}' ({e}); "
+                           "check the name and that it is importable from here") from None
+    except Exception as e:
+        raise UsageError(f"reward '{name}': importing '{module_name}' failed: {type(e).__name__}: {e}") from None
+    fn = getattr(module, func_name, None)
+    if fn is None:
+        raise UsageError(f"reward '{name}': module '{module_name}' has no function '{func_name}'")
+    if not callable(fn):
+        raise UsageError(f"reward '{name}': '{func_name}' in '{module_name}' is not callable")
+    if not _takes_var_kwargs(fn):
+        raise UsageError(f"reward '{name}' must accept **kwargs: columns and answer_format arrive by name")
+    return fn
+
+
+def _takes_var_kwargs(fn: RewardFn) -> bool:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # some builtins have no signature; let them through
+        return True
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+def load_rewards(specs: list) -> list[WeightedReward]:
+    """The recipe's `rewards` list (RewardSpec) -> loaded functions with weights. Fails at the edge.
+    Exactly one is the correctness check (`correctness: true`, or the only reward)."""
+    marked = [i for i, spec in enumerate(specs) if spec.correctness]
+    if len(marked) > 1 or (not marked and len(specs) > 1):
+        raise UsageError(f"rewards: {len(marked)} are marked correctness: true; mark exactly one, the task's "
+                         "correctness check (pass@1, the zero-variance groups, the best checkpoint)")
+    loaded, seen = [], set()
+    for i, spec in enumerate(specs):
+        if spec.name in seen:
+            raise UsageError(f"rewards[{i}]: '{spec.name}' is listed twice; give it one entry with the summed weight")
+        seen.add(spec.name)
+        if not math.isfinite(spec.weight):
+            raise UsageError(f"rewards[{i}].weight: {spec.weight} is not a finite number")
+        args = dict(getattr(spec, "args", None) or {})
+        if clash := sorted(set(args) & set(RESERVED)):
+            raise UsageError(f"rewards[{i}].args: {', '.join(clash)} is passed by the scorer itself; drop it")
+        timeout_s = getattr(spec, "timeout_s", None)
+        on_failure = getattr(spec, "on_failure", "zero")
+        if timeout_s is not None and not (math.isfinite(timeout_s) and timeout_s > 0):
+            raise UsageError(f"rewards[{i}].timeout_s: {timeout_s} must be > 0 seconds, or null for no limit")
+        if on_failure not in ON_FAILURE:
+            raise UsageError(f"rewards[{i}].on_failure: '{on_failure}' is not one of {', '.join(ON_FAILURE)}")
+        fn = load_reward(spec.name)
+        worker = None
+        if timeout_s is not None:
+            from grpo_cli.rewards.worker import RewardWorker
+
+            worker = RewardWorker(spec.name, fn, float(timeout_s))
+        loaded.append(WeightedReward(spec.name, fn, float(spec.weight), args, timeout_s, on_failure,
+                                     spec.correctness or len(specs) == 1, worker))
+    return loaded
+
+
+def correctness_name(rewards: list[WeightedReward]) -> str:
+    """The name of the reward that is the task's correctness check: the one marked, or the only one."""
+    return next(r.name for r in rewards if r.correctness or len(rewards) == 1)
+
+
+def required_columns(fn: RewardFn) -> list[str]:
+    """Dataset columns a reward function needs: its named parameters without defaults, after `completions`."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in params[1:]
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is p.empty]
+
+
+def needed_columns(rewards: list[WeightedReward]) -> list[str]:
+    return sorted({c for r in rewards for c in required_columns(r.fn)})
+
+
+def validate_columns(rows: list[dict], needed: list, where: str = "row") -> None:
+    """Every row must hold every column the rewards need; the error names the first bad row (0-based).
+
+    `needed` is a list of column names, or the loaded rewards themselves (their needs are read off
+    their signatures).
+    """
+    columns = [c for c in needed if isinstance(c, str)]
+    columns += needed_columns([r for r in needed if isinstance(r, WeightedReward)])
+    for i, row in enumerate(rows):
+        for column in columns:
+            if column not in row or row[column] is None:
+                raise UsageError(f"{where} {i}: no '{column}' column, which the rewards need "
+                                   f"(columns present: {', '.join(sorted(row)) or 'none'})")

@@ -63,7 +63,7 @@ def memory_lines(cfg: TrainConfig, shape: dict[str, Any] | None, world_size: int
         return [f"memory: {cfg.model.name_or_path} is not a local model directory; no estimate"]
     params = parameter_count(shape)
     gib = 2 ** 30
-    # grads + 2 Adam moments are sharded over ranks; the weights are gathered whole during the passes (shard.py)
+    # grads + 2 Adam moments are sharded over ranks; the weights are gathered whole during the passes (dist/shard.py)
     train = params * FP32_BYTES * (1 + 3 / world_size)
     ref = params * FP32_BYTES / world_size if cfg.trainer.kl_coef > 0 else 0  # at rest (gathered for its pass)
     logits = cfg.trainer.logprob_chunk_tokens * shape["vocab_size"] * FP32_BYTES * 3  # logits, softmax, grad

@@ -112,7 +112,7 @@ def save_checkpoint(model: Any, tokenizer: Any, path: Path, info: dict[str, Any]
     every rank calls this: the weights are gathered one tensor at a time and rank 0 writes them,
     the Hugging Face files and the marker.
     """
-    from grpo_cli.shard import full_tensors, unwrap
+    from grpo_cli.dist.shard import full_tensors, unwrap
 
     world, main = (dist.world_size, dist.is_main) if dist is not None else (1, True)
     path = Path(path)
@@ -167,7 +167,7 @@ def tied_duplicates(model: Any) -> set[str]:
 
 def _named_params(model: Any) -> list[tuple[str, Any]]:
     """The trainable parameters by their Hugging Face name (the same at any world size)."""
-    from grpo_cli.shard import unwrap
+    from grpo_cli.dist.shard import unwrap
 
     return list(unwrap(model).named_parameters())
 

@@ -192,7 +192,7 @@ def _register(command: str, recipe_required: bool = True, rest: list[str] | None
         node.pop("resume", None)  # how that run was started, not part of its recipe
         cs.store(group="recipe", name=RUN_RECIPE, node=node, package="_global_")
     cs.store(name=f"{command}_schema", node=schema)
-    from grpo_cli.launch import log_name, rank
+    from grpo_cli.dist.launch import log_name, rank
 
     hydra_settings: dict[str, Any] = {
         "job": {"name": log_name(command, rank())[: -len(".log")], "chdir": False},  # train.log, train-rank1.log
@@ -422,7 +422,7 @@ def _make_app(command: str) -> Callable[[], Any]:
             config = validate(cfg, COMMAND_SCHEMAS[command])
         except UsageError as e:
             _fail(command, str(e))
-        from grpo_cli.launch import log_name, rank
+        from grpo_cli.dist.launch import log_name, rank
 
         run_dir = None
         if spec.makes_run_dir:
@@ -554,7 +554,7 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         _fail(command, str(e))
     log.debug("preflight took %.3fs", time.time() - started)
-    from grpo_cli import launch
+    from grpo_cli.dist import launch
 
     world = getattr(getattr(config, "dist", None), "world_size", 1)
     if command == "train" and world > 1 and not launch.under_launcher():

@@ -235,7 +235,7 @@ class HFEngine:
 
         eos = self.tokenizer.eos_token_id
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos
-        from grpo_cli.shard import gather_all, reshard_all, run_pass
+        from grpo_cli.dist.shard import gather_all, reshard_all, run_pass
 
         completion_ids, logprobs, texts, truncated = [], [], [], []
         was_training = self.policy.training
@@ -284,7 +284,7 @@ class HFEngine:
     def score(self, sequences: list[list[int]]) -> list[list[float]]:
         import torch
 
-        from grpo_cli.shard import gather_all, reshard_all, run_pass
+        from grpo_cli.dist.shard import gather_all, reshard_all, run_pass
 
         device = next(self.policy.parameters()).device
         out = []
@@ -326,7 +326,7 @@ class ShardedEngine:
                                     max_new_tokens, seeds[mine.start:mine.stop]) if len(mine) else \
             Rollouts([], [], [], [], [])
         if isinstance(self.engine, HFEngine) and not len(mine):
-            from grpo_cli.shard import gather_all, reshard_all
+            from grpo_cli.dist.shard import gather_all, reshard_all
 
             gather_all(self.engine.policy)  # pairs with the other ranks' gather in HFEngine.generate
             reshard_all(self.engine.policy)

@@ -153,8 +153,8 @@ class Models:
 def build_models(cfg: TrainConfig, task: Task, start: Start, dist: Any) -> Models:
     """The policy from the start point, the reference from the base model, the engine from the start point."""
     from grpo_cli.checkpoint import load_policy
+    from grpo_cli.dist.shard import shard_model
     from grpo_cli.rollout import build_engine
-    from grpo_cli.shard import shard_model
 
     # fp32 master weights on CUDA (the passes autocast to model.dtype); on the CPU model.dtype itself
     policy = load_policy(start.path, dist.master_dtype(cfg.model.dtype)).to(dist.device)

@@ -19,7 +19,7 @@ PROBE_SEQUENCES = 4  # sequences re-scored by the engine in a push check
 def push(engine: Any, policy: Any, dist: Any) -> None:
     """Every checkpoint-format tensor of the policy into this rank's engine; a sharded policy's are
     gathered one at a time as the engine reads them (never the whole model in extra memory)."""
-    from grpo_cli.shard import full_tensors
+    from grpo_cli.dist.shard import full_tensors
 
     engine.push_weights(full_tensors(policy))
 
@@ -60,7 +60,7 @@ def push_check(engine: Any, policy: Any, sequences: list[list[int]], prompt_lens
     import torch
 
     from grpo_cli import passes
-    from grpo_cli.shard import reshard_all, run_pass
+    from grpo_cli.dist.shard import reshard_all, run_pass
 
     engine_lp = engine.score(sequences)
     worst = 0.0

@@ -47,7 +47,7 @@ def score_logprobs(model: Any, batch: TrainBatch, chunk_tokens: int, temperature
     import torch
 
     from grpo_cli import passes
-    from grpo_cli.shard import reshard_all, run_pass
+    from grpo_cli.dist.shard import reshard_all, run_pass
 
     out = []
     with torch.no_grad(), (autocast or contextlib.nullcontext)():
@@ -141,7 +141,7 @@ def minibatch_step(policy: Any, optimizer: Any, scheduler: Any, part: Any, param
     import torch
 
     from grpo_cli import grpo, passes
-    from grpo_cli.shard import grad_norm_value, reshard_all, run_pass
+    from grpo_cli.dist.shard import grad_norm_value, reshard_all, run_pass
 
     t_cfg = cfg.trainer
     loss_fn = grpo.LOSSES[t_cfg.loss]

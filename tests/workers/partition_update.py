@@ -14,9 +14,9 @@ from grpo_cli.batch import TrainBatch
 from grpo_cli.collect import Groups
 from grpo_cli.config import RewardSpec, RolloutConfig, TrainConfig, TrainerConfig
 from grpo_cli.dist import Dist
+from grpo_cli.dist.shard import full_tensors, shard_model
 from grpo_cli.rewards import RewardFailures, Scores
 from grpo_cli.rollout import Rollouts
-from grpo_cli.shard import full_tensors, shard_model
 from grpo_cli.update import loss_params, score_batch, update
 
 

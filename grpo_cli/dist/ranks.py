@@ -65,7 +65,7 @@ class Dist:
         import torch.distributed as torch_dist
 
         if not torch_dist.is_initialized():  # the CLI joins the job first (launch.join_job); scripts land here
-            from grpo_cli.launch import join_job
+            from grpo_cli.dist.launch import join_job
 
             join_job(600)
         return cls(rank=torch_dist.get_rank(), world_size=world_size, local_rank=local_rank, device=chosen)

@@ -115,7 +115,7 @@ class TrainBatch:
         micro-batches, each padded on the run's device."""
         kept, G = groups.kept(), groups.group_size
         rollouts = groups.rollouts
-        dropped = groups.dropped.tolist() if groups.dropped is not None else [[False] * G for _ in groups.rows]
+        dropped = groups.dropped.tolist()  # [P][G]
         group_of = [(slot, g) for slot, p in enumerate(kept) for g in range(G)
                     if not (cfg.mask_truncated and rollouts.truncated[p][g]) and not dropped[p][g]]
         completions = [rollouts.completion_ids[kept[slot]][g] for slot, g in group_of]  # [N]

@@ -209,6 +209,16 @@ def load_optimizer(optimizer: Any, model: Any, path: Path, param_groups: list[di
                                "param_groups": param_groups})
 
 
+def checkpoint_info(step: int, cfg: Any, base_model: str, pass_at_1: float | None, world_size: int) -> dict[str, Any]:
+    """A checkpoint's checkpoint.json: its step, the run's task, base model and resolved config (a resume is
+    refused when its config differs), the held-out pass@1 of its step (None when not measured), and the
+    number of processes that wrote it."""
+    import dataclasses
+
+    return {"step": step, "task": cfg.task, "base_model": base_model, "config": dataclasses.asdict(cfg),
+            "eval/pass@1": pass_at_1, "world_size": world_size}
+
+
 def trainer_state(optimizer: Any, scheduler: Any, cursor: Any, best_pass: float, schedule_steps: int) -> dict[str, Any]:
     """Everything besides the weights and AdamW's moments (OPTIMIZER_DIR) that an exact resume needs:
     AdamW's groups (lr, betas, ...), the lr schedule and the training steps it spans, prompt order and
@@ -261,12 +271,11 @@ def load_legacy_optimizer(optimizer: Any, model: Any, saved: dict[str, Any]) -> 
     optimizer.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
 
 
-PARTIAL_TAGS = (".tmp-", ".old-")  # in the names of the directories an interrupted save leaves behind
+def load_trainer_state(path: Path) -> dict[str, Any]:
+    """The trainer state of a checkpoint; weights_only=True: tensors and plain types, never arbitrary pickle."""
+    import torch
 
-
-def is_partial(path: Path) -> bool:
-    """A directory an interrupted save left (NAME.tmp-PID, NAME.old-PID): never a checkpoint."""
-    return any(tag in Path(path).name for tag in PARTIAL_TAGS)
+    return torch.load(Path(path) / TRAINER_STATE, weights_only=True)
 
 
 def read_info(path: Path) -> dict[str, Any] | None:
@@ -276,63 +285,3 @@ def read_info(path: Path) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     return info if isinstance(info, dict) else None
-
-
-def list_checkpoints(run_dir: Path) -> list[tuple[Path, dict[str, Any]]]:
-    """A run's complete checkpoints with their checkpoint.json, oldest first (by step, then name). The one
-    rule for complete: not a partial save's directory, and checkpoint.json (written last), config.json and
-    *.safetensors present. Resuming, pruning and `grpo eval` all list checkpoints through here."""
-    root = Path(run_dir) / "checkpoints"
-    found = []
-    for path in sorted(root.iterdir()) if root.is_dir() else []:
-        info = read_info(path) if path.is_dir() and not is_partial(path) else None
-        if info is not None and (path / "config.json").is_file() and any(path.glob("*.safetensors")):
-            found.append((path, info))
-    return sorted(found, key=lambda item: (item[1].get("step") if isinstance(item[1].get("step"), int) else -1,
-                                           item[0].name))
-
-
-def load_trainer_state(path: Path) -> dict[str, Any]:
-    """The trainer state of a checkpoint; weights_only=True: tensors and plain types, never arbitrary pickle."""
-    import torch
-
-    return torch.load(Path(path) / TRAINER_STATE, weights_only=True)
-
-
-def step_checkpoints(run_dir: Path) -> list[Path]:
-    """Complete checkpoints of a run that can be resumed from (they hold a trainer state), oldest first."""
-    return [path for path, _ in list_checkpoints(run_dir) if (path / TRAINER_STATE).is_file()]
-
-
-def prune_checkpoints(run_dir: Path, keep_last: int) -> None:
-    """Delete periodic checkpoints beyond the newest `keep_last` complete ones (best and final are not
-    periodic; a partial save's directory is not a checkpoint and is left alone)."""
-    periodic = [path for path, _ in list_checkpoints(run_dir) if path.name.startswith(STEP_PREFIX)]
-    for old in periodic[:-keep_last]:
-        shutil.rmtree(old)
-
-
-def newest_run(output_dir: str, task: str) -> Path | None:
-    """The most recently modified run directory of a task that holds a resumable checkpoint."""
-    root = Path(output_dir) / task
-    runs = [d for d in root.iterdir() if d.is_dir() and step_checkpoints(d)] if root.is_dir() else []
-    return max(runs, key=lambda d: step_checkpoints(d)[-1].stat().st_mtime, default=None)
-
-
-def resume_dir(output_dir: str, task: str, resume: str) -> Path:
-    """`resume=auto` -> the newest resumable run of the task; `resume=DIR` -> DIR, checked."""
-    if resume == "auto":
-        found = newest_run(output_dir, task)
-        if found is None:
-            raise FileNotFoundError(f"resume=auto: no run of '{task}' under {Path(output_dir) / task} has a "
-                                    "complete checkpoint to resume from")
-        return found.resolve()
-    path = Path(resume)
-    if not path.is_dir():
-        raise FileNotFoundError(f"resume={resume}: not a directory")
-    if not step_checkpoints(path):
-        root = path / "checkpoints"
-        have = sorted(p.name for p in root.iterdir()) if root.is_dir() else []
-        raise FileNotFoundError(f"resume={resume}: no complete checkpoint with trainer state in {root} "
-                                f"(found: {', '.join(have) or 'nothing'}); is this a run directory?")
-    return path.resolve()

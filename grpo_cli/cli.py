@@ -48,7 +48,7 @@ class Command:
 COMMANDS: dict[str, Command] = {
     "train": Command("train a policy with GRPO on a recipe", "grpo_cli.train:run", True),
     "eval": Command("evaluate checkpoints on the held-out set", "grpo_cli.evaluate:run", False, needs_recipe=False,
-                    recipe_from="grpo_cli.evaluate:run_config_path"),
+                    recipe_from="grpo_cli.runs:run_config_path"),
     "check": Command("print a recipe's batch arithmetic and settings that do nothing (loads no model)",
                      "grpo_cli.check:run_check", False),
     "reward": Command("score hand-written completions with a recipe's rewards", "grpo_cli.rewards.cases:run_cases", False),
@@ -64,7 +64,7 @@ _RUN_NAME = f"{time.strftime('%Y-%m-%d_%H-%M-%S')}_{os.getpid()}-{secrets.token_
 def _run_dir(output_dir: str, task: str, resume: str | None) -> str:
     if not resume:
         return f"{output_dir}/{task}/{_RUN_NAME}"
-    from grpo_cli.checkpoint import resume_dir
+    from grpo_cli.runs import resume_dir
 
     return str(resume_dir(output_dir, task, resume))
 
@@ -348,7 +348,7 @@ def _compose_and_validate(command: str, overrides: list[str], config_dir: str | 
     finally:
         GlobalHydra.instance().clear()
     if getattr(config, "resume", None):
-        from grpo_cli.checkpoint import resume_dir
+        from grpo_cli.runs import resume_dir
 
         try:
             resume_dir(config.output_dir, config.task, config.resume)

@@ -10,11 +10,19 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from grpo_cli.config import TrainConfig
 from grpo_cli.rewards import RewardFailures, Scores
 from grpo_cli.rollout import Rollouts
+
+if TYPE_CHECKING:
+    import torch
+
+    from grpo_cli.dist import Dist
+    from grpo_cli.metrics import StepTimer
+    from grpo_cli.rewards import WeightedReward
+    from grpo_cli.setup import RunState
 
 
 class PromptCursor:
@@ -54,13 +62,13 @@ class Groups:
     rollouts: Rollouts  # [P][G] completions, their sampling logprobs and truncation flags
     scored: Scores  # summed reward and each function's scores, flat [P*G]
     failures: RewardFailures  # reward calls that raised or returned bad values
-    reward: Any  # [P, G] summed reward (rounded if trainer.reward_round_decimals)
-    advantages: Any  # [P, G] group-relative advantages (trainer.advantage)
-    all_correct: Any  # [P] bool: every sample right (no signal)
-    all_wrong: Any  # [P] bool: every sample wrong (no signal)
-    keep: Any  # [P] bool: groups that enter the loss
+    reward: torch.Tensor  # [P, G] summed reward (rounded if trainer.reward_round_decimals)
+    advantages: torch.Tensor  # [P, G] group-relative advantages (trainer.advantage)
+    all_correct: torch.Tensor  # [P] bool: every sample right (no signal)
+    all_wrong: torch.Tensor  # [P] bool: every sample wrong (no signal)
+    keep: torch.Tensor  # [P] bool: groups that enter the loss
+    dropped: torch.Tensor  # [P, G] bool: samples a reward with on_failure=drop failed on; they leave the loss
     rounds: int = 1  # sampling rounds it took (dynamic sampling)
-    dropped: Any = None  # [P, G] bool: samples a reward with on_failure=drop failed on; they leave the loss
 
     @property
     def group_size(self) -> int:
@@ -82,30 +90,29 @@ def concat_groups(parts: list[Groups]) -> Groups:
     tensors = [torch.cat([getattr(g, f) for g in parts]) for f in
                ("reward", "advantages", "all_correct", "all_wrong", "keep")]
     return Groups(sum((g.rows for g in parts), []), sum((g.prompt_ids for g in parts), []), rollouts, scored,
-                  failures, *tensors, rounds=len(parts), dropped=torch.cat([g.dropped for g in parts]))
+                  failures, *tensors, dropped=torch.cat([g.dropped for g in parts]), rounds=len(parts))
 
 
-def sample_groups(engine: Any, cursor: PromptCursor, train_rows: list[dict[str, Any]], encode: Any,
-                  cfg: TrainConfig, step: int, round_index: int = 0
+def sample_groups(state: RunState, cfg: TrainConfig, step: int, round_index: int = 0
                   ) -> tuple[list[dict[str, Any]], list[list[int]], Rollouts]:
     """Draw the step's prompts and sample a group of completions for each: [P][G].
 
     Seeds are a pure function of (run seed, step, round, prompt): round 0 uses the training
     stream 0, a dynamic-sampling round r >= 1 the stream r + 1 (stream 1 is evaluation's).
     """
-    from grpo_cli.rollout import sample_seeds
+    from grpo_cli.rollout import Sampling, sample_seeds
 
-    r_cfg = cfg.rollout
-    rows = [train_rows[i] for i in cursor.take(r_cfg.prompts_per_step, step)]
-    prompt_ids = [encode(row) for row in rows]
+    r_cfg, task = cfg.rollout, state.task
+    rows = [task.train_rows[i] for i in state.cursor.take(r_cfg.prompts_per_step, step)]
+    prompt_ids = [task.encode(row) for row in rows]
     stream = 0 if round_index == 0 else round_index + 1
-    rollouts = engine.generate(prompt_ids, r_cfg.group_size, r_cfg.temperature, r_cfg.top_p,
-                               r_cfg.max_new_tokens, sample_seeds(cfg.trainer.seed, step, len(rows), stream=stream))
+    sampling = Sampling(r_cfg.group_size, r_cfg.temperature, r_cfg.top_p, r_cfg.max_new_tokens)
+    rollouts = state.engine.generate(prompt_ids, sampling, sample_seeds(cfg.trainer.seed, step, len(rows), stream))
     return rows, prompt_ids, rollouts
 
 
-def score_groups(rows: list[dict[str, Any]], prompt_ids: list[list[int]], rollouts: Rollouts, reward_fns: list,
-                 cfg: TrainConfig, step: int, dist: Any) -> Groups:
+def score_groups(rows: list[dict[str, Any]], prompt_ids: list[list[int]], rollouts: Rollouts,
+                 reward_fns: list[WeightedReward], cfg: TrainConfig, step: int, dist: Dist) -> Groups:
     """Rewards [P, G] from the reward functions, then group-relative advantages and the groups kept."""
     import torch
 
@@ -153,7 +160,7 @@ def merge_scores(parts: list[tuple[Scores, RewardFailures]]) -> tuple[Scores, Re
     names = list(parts[0][0].per_function)
     scored = Scores(sum((s.total for s, _ in parts), []), {n: sum((s.per_function[n] for s, _ in parts), [])
                                                            for n in names},
-                    sum((list(s.dropped or [False] * len(s.total)) for s, _ in parts), []))
+                    sum((s.dropped for s, _ in parts), []))
     failures = RewardFailures()
     for _, f in parts:
         failures.counts.update(f.counts)
@@ -161,8 +168,7 @@ def merge_scores(parts: list[tuple[Scores, RewardFailures]]) -> tuple[Scores, Re
     return scored, failures
 
 
-def collect_groups(engine: Any, cursor: PromptCursor, train_rows: list[dict[str, Any]], encode: Any,
-                   reward_fns: list, cfg: TrainConfig, step: int, dist: Any, timings: Any) -> Groups:
+def collect_groups(state: RunState, cfg: TrainConfig, step: int, timings: StepTimer) -> Groups:
     """The step's first stage: prompts -> rollouts [P][G] -> rewards and advantages [P, G].
 
     With rollout.dynamic_sampling (DAPO), rounds of prompts_per_step more prompts are sampled
@@ -174,9 +180,9 @@ def collect_groups(engine: Any, cursor: PromptCursor, train_rows: list[dict[str,
     parts: list[Groups] = []
     for round_index in range(rounds):
         with timings("generate"):
-            rows, prompt_ids, rollouts = sample_groups(engine, cursor, train_rows, encode, cfg, step, round_index)
+            rows, prompt_ids, rollouts = sample_groups(state, cfg, step, round_index)
         with timings("reward"):
-            parts.append(score_groups(rows, prompt_ids, rollouts, reward_fns, cfg, step, dist))
+            parts.append(score_groups(rows, prompt_ids, rollouts, state.task.reward_fns, cfg, step, state.dist))
         if sum(int(part.keep.sum()) for part in parts) >= r_cfg.prompts_per_step:
             break
     groups = concat_groups(parts)

@@ -14,10 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from grpo_cli.errors import UsageError
+from grpo_cli.metrics import REWARD_STATS, TIME_PARTS
 
-TIME_PARTS = ("generate", "reward", "logprobs", "update", "push", "sleep")
 TIME_COLORS = ("#66c2a5", "#fc8d62", "#8da0cb", "#e78ac3", "#a6d854", "#ffd92f")  # a palette apart from the runs' C0, C1, ...
-REWARD_STATS = ("reward/mean", "reward/std", "reward/failures", "reward/dropped")  # reward/* keys that are not a reward function
 PLOT_SUFFIXES = (".png", ".pdf", ".svg")
 SMOOTHING = 0.9  # weight of the past in the smoothed line drawn over a noisy per-step series (as trackers do)
 

@@ -25,9 +25,12 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
-from grpo_cli.config import ModelConfig, RolloutConfig
+from grpo_cli.config import ModelConfig, RolloutConfig, TrainConfig
+
+if TYPE_CHECKING:
+    from grpo_cli.dist import Dist
 
 
 @dataclass
@@ -49,6 +52,34 @@ class Rollouts:
         """Several parts' prompts, in order, as one (sampling rounds, the engines of a job)."""
         return cls(*[sum((getattr(r, f) for r in parts), []) for f in
                      ("prompt_ids", "completion_ids", "sampling_logprobs", "texts", "truncated")])
+
+
+class Sampling(NamedTuple):
+    """How the engine samples: `n` completions per prompt at `temperature` and `top_p`, each at most
+    `max_new_tokens` long. Temperature 0 is greedy."""
+
+    n: int
+    temperature: float
+    top_p: float
+    max_new_tokens: int
+
+
+class Engine(Protocol):
+    """What the loop asks of a rollout engine (VLLMEngine, HFEngine, or a rank's ShardedEngine)."""
+
+    tokenizer: Any
+
+    def generate(self, prompt_ids: list[list[int]], sampling: Sampling, seeds: list[int]) -> Rollouts: ...
+
+    def push_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None: ...
+
+    def score(self, sequences: list[list[int]]) -> list[list[float]]: ...
+
+    def sleep(self) -> None: ...
+
+    def wake_weights(self) -> None: ...
+
+    def wake_kv_cache(self) -> None: ...
 
 
 def sample_seeds(run_seed: int, step: int, num_prompts: int, stream: int = 0) -> list[int]:
@@ -130,22 +161,15 @@ class VLLMEngine:
         )
         self.tokenizer = self.llm.get_tokenizer()
 
-    def generate(
-        self,
-        prompt_ids: list[list[int]],
-        group_size: int,
-        temperature: float,
-        top_p: float,
-        max_new_tokens: int,
-        seeds: list[int],
-    ) -> Rollouts:
+    def generate(self, prompt_ids: list[list[int]], sampling: Sampling, seeds: list[int]) -> Rollouts:
         from vllm import SamplingParams
 
+        group_size = sampling.n
         # detokenize=False: with it on, vLLM also decodes the token of every sampled logprob, step by
         # step; the texts are decoded once at the end instead (0.86 s -> 0.74 s a default step, issue 8).
         params = [
-            SamplingParams(n=group_size, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens,
-                           logprobs=0, seed=seed, detokenize=False)
+            SamplingParams(n=group_size, temperature=sampling.temperature, top_p=sampling.top_p,
+                           max_tokens=sampling.max_new_tokens, logprobs=0, seed=seed, detokenize=False)
             for seed in seeds
         ]
         waves = [list(range(len(prompt_ids)))]
@@ -222,15 +246,7 @@ class HFEngine:
         self.tokenizer = tokenizer
         self.autocast = autocast or contextlib.nullcontext  # () -> the compute context (bf16 autocast on CUDA)
 
-    def generate(
-        self,
-        prompt_ids: list[list[int]],
-        group_size: int,
-        temperature: float,
-        top_p: float,
-        max_new_tokens: int,
-        seeds: list[int],
-    ) -> Rollouts:
+    def generate(self, prompt_ids: list[list[int]], sampling: Sampling, seeds: list[int]) -> Rollouts:
         import torch
 
         eos = self.tokenizer.eos_token_id
@@ -244,11 +260,12 @@ class HFEngine:
         gather_all(self.policy)  # sharded (FSDP): gathered once, so ranks with different work need no collective
         for ids, seed in zip(prompt_ids, seeds):
             torch.manual_seed(seed)
-            input_ids = torch.tensor([ids] * group_size, device=device)  # [G, T_prompt]
+            input_ids = torch.tensor([ids] * sampling.n, device=device)  # [G, T_prompt]
             with torch.no_grad(), self.autocast():
                 out = run_pass(self.policy, _generate,
                     input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=True,
-                    temperature=temperature, top_p=top_p, top_k=0, max_new_tokens=max_new_tokens,
+                    temperature=sampling.temperature, top_p=sampling.top_p, top_k=0,
+                    max_new_tokens=sampling.max_new_tokens,
                     eos_token_id=eos, pad_token_id=pad, output_logits=True, return_dict_in_generate=True,
                 )
             new = out.sequences[:, len(ids):]  # [G, T_new]
@@ -317,13 +334,12 @@ class ShardedEngine:
         self.engine, self.dist, self.tp = engine, dist, tensor_parallel_size
         self.tokenizer = getattr(engine, "tokenizer", None)
 
-    def generate(self, prompt_ids: list[list[int]], group_size: int, temperature: float, top_p: float,
-                 max_new_tokens: int, seeds: list[int]) -> Rollouts:
+    def generate(self, prompt_ids: list[list[int]], sampling: Sampling, seeds: list[int]) -> Rollouts:
         from grpo_cli.dist import contiguous_share
 
         mine = contiguous_share(len(prompt_ids), self.dist.rank // self.tp, self.dist.world_size // self.tp)
-        part = self.engine.generate(prompt_ids[mine.start:mine.stop], group_size, temperature, top_p,
-                                    max_new_tokens, seeds[mine.start:mine.stop]) if len(mine) else \
+        part = self.engine.generate(prompt_ids[mine.start:mine.stop], sampling, seeds[mine.start:mine.stop]) \
+            if len(mine) else \
             Rollouts([], [], [], [], [])
         if isinstance(self.engine, HFEngine) and not len(mine):
             from grpo_cli.dist.shard import gather_all, reshard_all
@@ -353,16 +369,13 @@ def sleep_wanted(rollout: RolloutConfig, trainer_device: Any) -> bool:
     return {"on": True, "off": False, "auto": str(trainer_device).startswith("cuda")}[rollout.sleep_mode]
 
 
-def build_engine(name: str, model_path: str, model: ModelConfig, rollout: RolloutConfig, seed: int,
-                 policy: Any, tokenizer: Any, show_progress: bool = False, trainer_device: Any = "cpu",
-                 autocast: Any = None, dist: Any = None) -> VLLMEngine | HFEngine | ShardedEngine:
-    """The engine named by `rollout.engine` (the table keeps the loop free of engine branches); at
-    world size > 1, this rank's engine inside a `ShardedEngine`."""
-    world = dist.world_size if dist is not None else 1
+def build_engine(cfg: TrainConfig, model_path: str, policy: Any, tokenizer: Any, dist: Dist) -> Engine:
+    """The engine named by rollout.engine on `model_path` (the table keeps the loop free of engine
+    branches); at world size > 1, this rank's engine inside a `ShardedEngine`."""
     builders = {
-        "vllm": lambda: VLLMEngine(model_path, model, rollout, seed, show_progress,
-                                   sleep=sleep_wanted(rollout, trainer_device), world_size=world),
-        "hf": lambda: HFEngine(policy, tokenizer, autocast),
+        "vllm": lambda: VLLMEngine(model_path, cfg.model, cfg.rollout, cfg.trainer.seed, cfg.logging.verbose_libraries,
+                                   sleep=sleep_wanted(cfg.rollout, dist.device), world_size=dist.world_size),
+        "hf": lambda: HFEngine(policy, tokenizer, lambda: dist.autocast(cfg.model.dtype)),
     }
-    engine = builders[name]()
-    return ShardedEngine(engine, dist, rollout.tensor_parallel_size) if world > 1 else engine
+    engine = builders[cfg.rollout.engine]()
+    return ShardedEngine(engine, dist, cfg.rollout.tensor_parallel_size) if dist.world_size > 1 else engine

@@ -1,9 +1,10 @@
-"""Everything before a run's first step: fail at the edge, then torch, the resume point, the models.
+"""Everything before a run's first step: fail at the edge, then torch, the resume point, the run state.
 
 `preflight` checks the data, the reward functions, the model files and the prompt lengths
 before any model is loaded, so a bad recipe fails in seconds with one line. `resume_or_start`
 finds where the run starts (a resumed run's newest complete checkpoint, refused if its config
-differs), and `build_models` loads the policy, the frozen reference and the rollout engine.
+differs), and `start_run` builds the `RunState` every stage of a step reads: the policy, the
+frozen reference, the rollout engine, the optimizer and its schedule, the prompt cursor.
 """
 
 from __future__ import annotations
@@ -12,12 +13,21 @@ import dataclasses
 import json
 import os
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from grpo_cli.config import TrainConfig
+from grpo_cli.config import DataConfig, TrainConfig, TrainerConfig
 from grpo_cli.errors import UsageError
+
+if TYPE_CHECKING:
+    import torch
+
+    from grpo_cli.collect import PromptCursor
+    from grpo_cli.dist import Dist
+    from grpo_cli.heldout import HeldoutSet
+    from grpo_cli.rewards import WeightedReward
+    from grpo_cli.rollout import Engine
 
 
 @dataclass
@@ -26,16 +36,16 @@ class Task:
 
     train_rows: list[dict[str, Any]]  # the train split, in dataset order
     heldout_rows: list[dict[str, Any]]  # the fixed held-out split
-    reward_fns: list  # rewards.WeightedReward, in recipe order (one of them is the correctness check)
+    reward_fns: list[WeightedReward]  # in recipe order (one of them is the correctness check)
     model_path: str  # the base model's directory (or hub id): the reference, and the start of a new run
-    tokenizer: Any  # the model's tokenizer (pad token set)
+    tokenizer: Any  # the model's tokenizer (a transformers tokenizer, pad token set)
+    data: DataConfig  # how a row becomes a prompt (template, prompt column) and how its answer is marked
 
-    def encode(self, row: dict[str, Any], cfg: TrainConfig) -> list[int]:
+    def encode(self, row: dict[str, Any]) -> list[int]:
         """A row's prompt, rendered with data.template, as token ids."""
         from grpo_cli.prompts import render_row
 
-        return self.tokenizer(render_row(row, cfg.data, self.tokenizer),
-                              add_special_tokens=False)["input_ids"]
+        return self.tokenizer(render_row(row, self.data, self.tokenizer), add_special_tokens=False)["input_ids"]
 
 
 def preflight(cfg: TrainConfig) -> Task:
@@ -71,7 +81,7 @@ def preflight(cfg: TrainConfig) -> Task:
 
     if reason := passes.shared_prompt_unsupported(AutoConfig.from_pretrained(model_path)):
         raise UsageError(f"model.name_or_path: {reason}")
-    task = Task(train_rows, heldout_rows, reward_fns, model_path, load_tokenizer(model_path))
+    task = Task(train_rows, heldout_rows, reward_fns, model_path, load_tokenizer(model_path), cfg.data)
     check_prompt_lengths(task, cfg)
     return task
 
@@ -92,20 +102,16 @@ def check_prompt_lengths(task: Task, cfg: TrainConfig) -> None:
                              "rollout.max_new_tokens, set model.max_context_tokens, or drop long prompts")
 
 
-def setup_torch(cfg: TrainConfig) -> None:
+def setup_torch(cfg: TrainerConfig) -> None:
     """Threads, seeds and determinism, before any model or engine exists."""
     import torch
 
-    t_cfg = cfg.trainer
-    # Threads before the engine starts: vLLM's CPU backend keeps OMP_NUM_THREADS if set (else drops
-    # torch to 1 thread) and then turns torch.set_num_threads into a no-op for the whole process.
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # processes sharing this node's cores
-    threads = t_cfg.threads or max(1, (os.cpu_count() or 1) // local_world)
-    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
-    torch.set_num_threads(threads)
-    random.seed(t_cfg.seed)
-    torch.manual_seed(t_cfg.seed)
-    if t_cfg.deterministic:
+    from grpo_cli.runtime import cpu_threads, set_threads
+
+    set_threads(cpu_threads(cfg.threads, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))  # before vLLM starts
+    random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    if cfg.deterministic:
         torch.use_deterministic_algorithms(True)
 
 
@@ -122,7 +128,8 @@ class Start:
 
 def resume_or_start(cfg: TrainConfig, run_dir: Path, model_path: str) -> Start:
     """The start point; a resume reads its checkpoint (the CLI resolved resume=DIR|auto to run_dir)."""
-    from grpo_cli.checkpoint import damaged_weights, load_trainer_state, read_info, step_checkpoints
+    from grpo_cli.checkpoint import damaged_weights, load_trainer_state, read_info
+    from grpo_cli.runs import step_checkpoints
 
     if not cfg.resume:
         return Start(0, model_path, None, cfg.trainer.steps)
@@ -144,18 +151,38 @@ def resume_or_start(cfg: TrainConfig, run_dir: Path, model_path: str) -> Start:
 
 
 @dataclass
-class Models:
-    policy: Any  # the model being trained
-    reference: Any  # the frozen reference for the KL term; None when trainer.kl_coef = 0
-    engine: Any  # the rollout engine (rollout.engine), holding a copy of the policy's weights
+class RunState:
+    """What a run holds from its first step to its last, built once by `start_run`. Every stage of a step
+    takes it and the config section it reads (the whole TrainConfig when it reads several)."""
+
+    task: Task  # the prompts, the rewards, the base model and its tokenizer
+    dist: Dist  # this process's rank, the world size, the device; the loop's collectives
+    run_dir: Path  # where metrics, logs and checkpoints go
+    start: Start  # step 0 from the base model, or the checkpoint a resume continues from
+    policy: torch.nn.Module  # the model being trained (inside its FSDP2 root at world size > 1)
+    reference: torch.nn.Module | None  # the frozen reference for the KL term; None when trainer.kl_coef = 0
+    engine: Engine  # the rollout engine (rollout.engine), holding a copy of the policy's weights
+    optimizer: torch.optim.Optimizer  # AdamW over the policy's parameters
+    scheduler: torch.optim.lr_scheduler.LambdaLR  # warm-up and trainer.lr_schedule, over optimizer steps
+    cursor: PromptCursor  # the train rows' seeded order and position (saved for an exact resume)
+    heldout: HeldoutSet  # the eval.num_problems held-out problems every evaluation samples
+    best_pass: float = -1.0  # the best held-out pass@1 so far; checkpoints/best holds that model
+    history: list[dict[str, Any]] = field(default_factory=list)  # every step's metrics, for the summary
 
 
-def build_models(cfg: TrainConfig, task: Task, start: Start, dist: Any) -> Models:
-    """The policy from the start point, the reference from the base model, the engine from the start point."""
-    from grpo_cli.checkpoint import load_policy
+def start_run(cfg: TrainConfig, task: Task, run_dir: Path) -> RunState:
+    """This process's place in the job, the start point, the models and the engine, the optimizer and the
+    prompt cursor, with a resumed run's trainer state put back."""
+    from grpo_cli.checkpoint import load_policy, restore_trainer_state
+    from grpo_cli.collect import PromptCursor
+    from grpo_cli.dist import Dist
     from grpo_cli.dist.shard import shard_model
+    from grpo_cli.heldout import HeldoutSet
+    from grpo_cli.optim import build_optimizer
     from grpo_cli.rollout import build_engine
 
+    dist = Dist.init(cfg.trainer.device)
+    start = resume_or_start(cfg, run_dir, task.model_path)
     # fp32 master weights on CUDA (the passes autocast to model.dtype); on the CPU model.dtype itself
     policy = load_policy(start.path, dist.master_dtype(cfg.model.dtype)).to(dist.device)
     policy.train()
@@ -165,10 +192,18 @@ def build_models(cfg: TrainConfig, task: Task, start: Start, dist: Any) -> Model
     if cfg.trainer.kl_coef > 0:  # frozen: stored in the compute dtype itself
         reference = shard_model(load_policy(task.model_path, cfg.model.dtype).to(dist.device).eval()
                                 .requires_grad_(False), dist)
-    engine = build_engine(cfg.rollout.engine, start.path, cfg.model, cfg.rollout, cfg.trainer.seed, policy,
-                          task.tokenizer, show_progress=cfg.logging.verbose_libraries, trainer_device=dist.device,
-                          autocast=lambda: dist.autocast(cfg.model.dtype), dist=dist)
-    return Models(policy, reference, engine)
+    engine = build_engine(cfg, start.path, policy, task.tokenizer, dist)
+    optimizer, scheduler = build_optimizer(policy, cfg.trainer, start.schedule_steps)
+    heldout = HeldoutSet.build(task.heldout_rows[: cfg.eval.num_problems], task.encode, task.reward_fns, cfg.data)
+    state = RunState(task, dist, run_dir, start, policy, reference, engine, optimizer, scheduler,
+                     PromptCursor(len(task.train_rows), cfg.trainer.seed), heldout)
+    if start.state is not None:
+        state.best_pass = restore_trainer_state(start.state, optimizer, scheduler, state.cursor, Path(start.path),
+                                                policy)
+        if dist.is_main:
+            state.history = truncate_metrics(run_dir / "metrics.jsonl", start.step)  # drop steps after the checkpoint
+        dist.barrier()
+    return state
 
 
 # Keys that may change between a run and its resume; any other difference would make the

@@ -8,15 +8,24 @@ weights, which no other metric shows.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any
 
 from grpo_cli.batch import TrainBatch
-from grpo_cli.config import RolloutConfig, TrainConfig
+from grpo_cli.config import RolloutConfig, TrainerConfig
+
+if TYPE_CHECKING:
+    import torch
+
+    from grpo_cli.metrics import StepTimer
+    from grpo_cli.rollout import Engine
+    from grpo_cli.setup import RunState
 
 PROBE_SEQUENCES = 4  # sequences re-scored by the engine in a push check
 
 
-def push(engine: Any, policy: Any, dist: Any) -> None:
+def push(engine: Engine, policy: torch.nn.Module) -> None:
     """Every checkpoint-format tensor of the policy into this rank's engine; a sharded policy's are
     gathered one at a time as the engine reads them (never the whole model in extra memory)."""
     from grpo_cli.dist.shard import full_tensors
@@ -24,35 +33,35 @@ def push(engine: Any, policy: Any, dist: Any) -> None:
     engine.push_weights(full_tensors(policy))
 
 
-def release_engine(engine: Any, optimizer: Any, cfg: TrainConfig, dist: Any, timings: Any) -> None:
+def release_engine(state: RunState, cfg: TrainerConfig, timings: StepTimer) -> None:
     """After generation: the engine sleeps (with sleep mode on) and an offloaded optimizer state
     comes back to the trainer's device for the update."""
     from grpo_cli.optim import move_optimizer_state
 
     with timings("sleep"):
-        engine.sleep()
-        if cfg.trainer.offload_optimizer:
-            move_optimizer_state(optimizer, dist.device)
+        state.engine.sleep()
+        if cfg.offload_optimizer:
+            move_optimizer_state(state.optimizer, state.dist.device)
 
 
-def push_to_engine(engine: Any, policy: Any, optimizer: Any, cfg: TrainConfig, dist: Any, timings: Any) -> None:
+def push_to_engine(state: RunState, cfg: TrainerConfig, timings: StepTimer) -> None:
     """After the update: the optimizer state leaves the device (trainer.offload_optimizer), the engine
     wakes its weights, takes the new ones, then wakes its KV cache, so the next generate and the
     push check both run on woken, updated weights (trl #5312: a push before the wake-up was lost)."""
     from grpo_cli.optim import move_optimizer_state
 
     with timings("sleep"):
-        if cfg.trainer.offload_optimizer:
-            move_optimizer_state(optimizer, "cpu")
-        engine.wake_weights()
+        if cfg.offload_optimizer:
+            move_optimizer_state(state.optimizer, "cpu")
+        state.engine.wake_weights()
     with timings("push"):
-        push(engine, policy, dist)
+        push(state.engine, state.policy)
     with timings("sleep"):
-        engine.wake_kv_cache()
+        state.engine.wake_kv_cache()
 
 
-def push_check(engine: Any, policy: Any, sequences: list[list[int]], prompt_lens: list[int], device: Any = "cpu",
-               autocast: Any = None) -> float:
+def push_check(engine: Engine, policy: torch.nn.Module, sequences: list[list[int]], prompt_lens: list[int],
+               device: Any = "cpu", autocast: Callable[[], AbstractContextManager] | None = None) -> float:
     """Re-score a probe batch in the engine and compare with the trainer: the worst mean |logprob difference|
     over the probes (maybe_push_check stops the run when it is over the tolerance)."""
     import contextlib
@@ -81,14 +90,15 @@ def stale_weights_error(worst: float, tol: float, where: str = "") -> Exception:
                         f"{worst:.2e} (> rollout.push_check_tol={tol:g}) after a weight push")
 
 
-def maybe_push_check(engine: Any, policy: Any, batch: TrainBatch, step: int, cfg: RolloutConfig,
-                     dist: Any, dtype: str = "float32") -> dict[str, float]:
+def maybe_push_check(state: RunState, batch: TrainBatch, step: int, cfg: RolloutConfig,
+                     dtype: str) -> dict[str, float]:
     """The push check on the step's first sequences when it is due: {"push_check/max_abs_diff": ...} or {}."""
     if not (cfg.push_check_every and step % cfg.push_check_every == 0 and batch.micro_batches):
         return {}
     rows = range(min(PROBE_SEQUENCES, len(batch.completions)))
     prompts = [batch.prompt_tokens[batch.prompt_index[j]] for j in rows]
-    worst = push_check(engine, policy, [ids + batch.completions[j] for j, ids in zip(rows, prompts)],
+    dist = state.dist
+    worst = push_check(state.engine, state.policy, [ids + batch.completions[j] for j, ids in zip(rows, prompts)],
                        [len(ids) for ids in prompts], dist.device, lambda: dist.autocast(dtype))
     per_rank = dist.gather(worst)  # every rank checked its own engine; all stop together, naming the worst
     stale = max(range(len(per_rank)), key=per_rank.__getitem__)

@@ -9,13 +9,23 @@ back through the prompt pass once, after the last one.
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any
 
-from grpo_cli.batch import TrainBatch
+from grpo_cli.batch import Minibatch, TrainBatch
 from grpo_cli.config import TrainConfig
 
+if TYPE_CHECKING:
+    import torch
 
-def loss_params(cfg: TrainConfig) -> Any:
+    from grpo_cli.collect import Groups
+    from grpo_cli.dist import Dist
+    from grpo_cli.grpo import LossParams
+    from grpo_cli.setup import RunState
+
+
+def loss_params(cfg: TrainConfig) -> LossParams:
     """The recipe's loss choices as `grpo.LossParams` (the KL leaves the loss when it goes into the reward)."""
     from grpo_cli import grpo
 
@@ -35,8 +45,8 @@ def needs_old_logprobs(cfg: TrainConfig) -> bool:
     return t.ppo_epochs > 1 or t.minibatches > 1 or t.kl_in_reward or t.mismatch_correction == "seq_mask"
 
 
-def score_logprobs(model: Any, batch: TrainBatch, chunk_tokens: int, temperature: float,
-                   autocast: Any = None) -> list[Any]:
+def batch_logprobs(model: torch.nn.Module | None, batch: TrainBatch, chunk_tokens: int, temperature: float,
+                   autocast: Callable[[], AbstractContextManager] | None = None) -> list[torch.Tensor | None]:
     """A model's logprobs of every micro-batch's completions, without grad: `[b, Tc]` each, in the
     order of `batch.micro_batches`; all None when there is no model (no reference when kl_coef = 0).
     `autocast` is the compute context (bf16 on CUDA); the logprobs themselves are float32."""
@@ -59,15 +69,15 @@ def score_logprobs(model: Any, batch: TrainBatch, chunk_tokens: int, temperature
     return out
 
 
-def score_batch(policy: Any, reference: Any, batch: TrainBatch, groups: Any, cfg: TrainConfig,
-                dist: Any) -> dict[str, float]:
+def fill_logprobs(state: RunState, batch: TrainBatch, groups: Groups, cfg: TrainConfig) -> dict[str, float]:
     """Fill in every micro-batch's reference logprobs and, when the policy can move before a sample is
-    used, its old logprobs; with trainer.kl_in_reward, fold the KL into the advantages. Returns the
-    penalty's stats ({} without kl_in_reward)."""
-    chunk, temperature = cfg.trainer.logprob_chunk_tokens, cfg.rollout.temperature
+    used, its old logprobs; with seq_mask, leave the rejected samples out of the normalizers; with
+    trainer.kl_in_reward, fold the KL into the advantages. Returns the KL penalty's stats
+    ({"reward/kl_penalty": ...}; {} without kl_in_reward)."""
+    dist, chunk, temperature = state.dist, cfg.trainer.logprob_chunk_tokens, cfg.rollout.temperature
     autocast = lambda: dist.autocast(cfg.model.dtype)  # noqa: E731
-    old = score_logprobs(policy if needs_old_logprobs(cfg) else None, batch, chunk, temperature, autocast)
-    ref = score_logprobs(reference, batch, chunk, temperature, autocast)
+    old = batch_logprobs(state.policy if needs_old_logprobs(cfg) else None, batch, chunk, temperature, autocast)
+    ref = batch_logprobs(state.reference, batch, chunk, temperature, autocast)
     for mb, old_lp, ref_lp in zip(batch.micro_batches, old, ref):
         mb.old_logprobs, mb.ref_logprobs = old_lp, ref_lp  # [b, Tc] each (or None)
     if cfg.trainer.mismatch_correction == "seq_mask" and batch.micro_batches:
@@ -75,7 +85,7 @@ def score_batch(policy: Any, reference: Any, batch: TrainBatch, groups: Any, cfg
     return kl_into_advantages(batch, groups, cfg, dist) if cfg.trainer.kl_in_reward and batch.micro_batches else {}
 
 
-def renormalize_without_rejected(batch: TrainBatch, cfg: TrainConfig, dist: Any) -> None:
+def renormalize_without_rejected(batch: TrainBatch, cfg: TrainConfig, dist: Dist) -> None:
     """seq_mask: the samples it rejects leave the loss entirely, the normalizer included. The loss makes the
     same decision from the same old logprobs (grpo.seq_mask_keep); here each minibatch's normalizer is
     recomputed over the samples every rank keeps."""
@@ -93,7 +103,7 @@ def renormalize_without_rejected(batch: TrainBatch, cfg: TrainConfig, dist: Any)
                                                 if j not in rejected_everywhere], cfg.trainer.loss, params)
 
 
-def kl_into_advantages(batch: TrainBatch, groups: Any, cfg: TrainConfig, dist: Any) -> dict[str, float]:
+def kl_into_advantages(batch: TrainBatch, groups: Groups, cfg: TrainConfig, dist: Dist) -> dict[str, float]:
     """`trainer.kl_in_reward`: r_i <- r_i - kl_coef * sum_t KL_it (the policy before the update vs the
     reference, `trainer.kl_estimator`), then the advantages of the kept groups again. A completion
     left out of the loss (mask_truncated) keeps its reward. Returns the mean penalty."""
@@ -112,8 +122,8 @@ def kl_into_advantages(batch: TrainBatch, groups: Any, cfg: TrainConfig, dist: A
         penalty = torch.tensor(dist.sum(penalty.flatten().tolist()), dtype=penalty.dtype).view(penalty.shape)
     reward = groups.reward[kept].cpu() - cfg.trainer.kl_coef * penalty  # [P', G]
     advantage_fn = grpo.ADVANTAGES[cfg.trainer.advantage]
-    dropped = groups.dropped[kept].cpu() if groups.dropped is not None else None  # [P', G]
-    if dropped is not None and bool(dropped.any()):  # as in collect.score_groups: out of the group statistics
+    dropped = groups.dropped[kept].cpu()  # [P', G]
+    if bool(dropped.any()):  # as in collect.score_groups: out of the group statistics
         advantages = grpo.masked_advantages(advantage_fn, reward, ~dropped)  # [P', G]
     else:
         advantages = advantage_fn(reward)  # [P', G]
@@ -133,8 +143,8 @@ def merge_token_means(total: dict[str, float], stats: dict[str, float]) -> None:
     total["tokens"] = total.get("tokens", 0.0) + stats["tokens"]
 
 
-def minibatch_step(policy: Any, optimizer: Any, scheduler: Any, part: Any, params: Any, cfg: TrainConfig,
-                   dist: Any, sums: dict[str, float]) -> tuple[float, float, bool, float, int]:
+def minibatch_step(state: RunState, part: Minibatch, params: LossParams, cfg: TrainConfig,
+                   sums: dict[str, float]) -> tuple[float, float, bool, float, int]:
     """One optimizer step on one minibatch: the loss summed over its micro-batches, clipped gradient,
     AdamW (skipped when the loss or gradient is not finite on some rank), lr schedule. Adds the loss's
     stats into `sums`; returns loss, grad norm, finite, and the mismatch sum and token count."""
@@ -143,7 +153,7 @@ def minibatch_step(policy: Any, optimizer: Any, scheduler: Any, part: Any, param
     from grpo_cli import grpo, passes
     from grpo_cli.dist.shard import grad_norm_value, reshard_all, run_pass
 
-    t_cfg = cfg.trainer
+    t_cfg, policy, optimizer, dist = cfg.trainer, state.policy, state.optimizer, state.dist
     loss_fn = grpo.LOSSES[t_cfg.loss]
     optimizer.zero_grad(set_to_none=True)
     loss_total, mismatch_sum, mismatch_tokens = 0.0, 0.0, 0
@@ -173,12 +183,11 @@ def minibatch_step(policy: Any, optimizer: Any, scheduler: Any, part: Any, param
     if finite:  # skip a non-finite update: one bad batch must not poison the weights
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    scheduler.step()
+    state.scheduler.step()
     return loss_total, grad_norm, finite, mismatch_sum, mismatch_tokens
 
 
-def update(policy: Any, optimizer: Any, scheduler: Any, batch: TrainBatch, params: Any, cfg: TrainConfig,
-           dist: Any) -> dict[str, Any]:
+def update(state: RunState, batch: TrainBatch, params: LossParams, cfg: TrainConfig) -> dict[str, Any]:
     """`trainer.ppo_epochs` passes over the batch, each `trainer.minibatches` optimizer steps.
 
     Returns the step's stats: loss (mean over optimizer steps); the loss's own stats as token
@@ -191,17 +200,17 @@ def update(policy: Any, optimizer: Any, scheduler: Any, batch: TrainBatch, param
     mismatch_sum, mismatch_tokens = 0.0, 0
     for epoch in range(cfg.trainer.ppo_epochs):
         for part in batch.minibatches:
-            loss, grad_norm, finite, m_sum, m_tokens = minibatch_step(policy, optimizer, scheduler, part, params,
-                                                                      cfg, dist, sums)
+            loss, grad_norm, finite, m_sum, m_tokens = minibatch_step(state, part, params, cfg, sums)
             losses.append(loss)
             norms += [grad_norm] if finite else []
             skipped += int(not finite)
             if epoch == 0:
                 mismatch_sum, mismatch_tokens = mismatch_sum + m_sum, mismatch_tokens + m_tokens
     if not batch.minibatches:  # nothing kept: the schedule still advances by the steps it would have taken
-        optimizer.zero_grad(set_to_none=True)
+        state.optimizer.zero_grad(set_to_none=True)
         for _ in range(cfg.trainer.ppo_epochs * cfg.trainer.minibatches):
-            scheduler.step()
+            state.scheduler.step()
+    dist = state.dist
     if dist.world_size > 1:  # this rank's share of each sum -> the step's (every rank ran the same passes)
         keys = sorted(sums)
         totals = dist.sum([*losses, mismatch_sum, mismatch_tokens, *(sums[k] for k in keys)])
@@ -212,23 +221,3 @@ def update(policy: Any, optimizer: Any, scheduler: Any, batch: TrainBatch, param
     return {"loss": sum(losses) / len(losses) if losses else 0.0, **means,
             "grad_norm": sum(norms) / len(norms) if norms else None,
             "skipped_nonfinite": skipped, "mismatch/mean_abs_logprob": mismatch_sum / max(mismatch_tokens, 1)}
-
-
-class NonFiniteGuard:
-    """Counts training steps in a row with a skipped update (a non-finite loss or gradient); too many stop the run."""
-
-    def __init__(self, max_bad_steps: int) -> None:
-        self.max_bad_steps = max_bad_steps  # trainer.max_bad_steps
-        self.in_a_row = 0
-
-    def check(self, stats: dict[str, Any], step: int, warn: Any) -> None:
-        from grpo_cli.errors import RunFailure
-
-        if not stats["skipped_nonfinite"]:
-            self.in_a_row = 0
-            return
-        self.in_a_row += 1
-        warn(f"step {step}: non-finite loss or gradient, update skipped ({self.in_a_row} in a row)")
-        if self.in_a_row >= self.max_bad_steps:
-            raise RunFailure(f"{self.in_a_row} steps in a row had a non-finite loss or gradient (trainer."
-                             f"max_bad_steps={self.max_bad_steps}); lower trainer.lr or check the rewards")

@@ -221,7 +221,7 @@ def worker_bounds(args: argparse.Namespace) -> dict[str, Any]:
 
     from grpo_cli import rewards
     from grpo_cli.checkpoint import resolve_model_path
-    from grpo_cli.rollout import VLLMEngine, sample_seeds
+    from grpo_cli.rollout import Sampling, VLLMEngine, sample_seeds
 
     torch.set_num_threads(threads)
     cfg = load_recipe()
@@ -246,7 +246,7 @@ def worker_bounds(args: argparse.Namespace) -> dict[str, Any]:
             engine.llm.reset_prefix_cache()  # neither reuses the other's prompt KV blocks
             tick = time.perf_counter()
             if name == "ours":
-                ours = engine.generate(batch, G, r.temperature, r.top_p, r.max_new_tokens, seeds)
+                ours = engine.generate(batch, Sampling(G, r.temperature, r.top_p, r.max_new_tokens), seeds)
             else:
                 outs = raw(batch, seeds)
             timed[name] = time.perf_counter() - tick

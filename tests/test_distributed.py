@@ -264,7 +264,7 @@ def test_a_one_process_run_resumes_at_two_ranks(workdir):
 
 
 def test_ctrl_c_on_two_ranks_checkpoints_exits_130_and_leaves_no_rank(workdir):
-    from grpo_cli.checkpoint import step_checkpoints
+    from grpo_cli.runs import step_checkpoints
 
     proc = subprocess.Popen(train_args(workdir, "interrupted", "trainer.steps=200", "checkpoint.every=0"),
                             cwd=workdir, env=env_with_cwd(workdir), stdout=subprocess.PIPE, stderr=subprocess.PIPE,

@@ -33,12 +33,12 @@ def test_vllm_push_changes_engine_logprobs_to_match_trainer(vllm_engine, shipped
 
     from grpo_cli import passes
     from grpo_cli.prompts import render_plain
-    from grpo_cli.rollout import sample_seeds
+    from grpo_cli.rollout import Sampling, sample_seeds
 
     path, policy, tokenizer = shipped
     prompt = tokenizer(render_plain("A city bike costs 10 per day and Ana keeps it for 3 days. "
                                     "How much does Ana pay in total?"), add_special_tokens=False)["input_ids"]
-    out = vllm_engine.generate([prompt], 4, 1.0, 1.0, 48, sample_seeds(0, 1, 1))
+    out = vllm_engine.generate([prompt], Sampling(4, 1.0, 1.0, 48), sample_seeds(0, 1, 1))
     assert len(out.completion_ids) == 1 and len(out.completion_ids[0]) == 4  # [P][G]
     assert all(len(lp) == len(ids) for lp, ids in zip(out.sampling_logprobs[0], out.completion_ids[0]))
     seq = prompt + out.completion_ids[0][0]
@@ -66,12 +66,12 @@ def test_vllm_push_changes_engine_logprobs_to_match_trainer(vllm_engine, shipped
 def test_sampling_seeds_are_per_prompt_and_reproducible(vllm_engine, shipped):
     _, _, tokenizer = shipped
     from grpo_cli.prompts import render_plain
-    from grpo_cli.rollout import sample_seeds
+    from grpo_cli.rollout import Sampling, sample_seeds
 
     q = "A city bike costs 10 per day and Ana keeps it for 3 days. How much does Ana pay in total?"
     prompt = tokenizer(render_plain(q), add_special_tokens=False)["input_ids"]
-    a = vllm_engine.generate([prompt, prompt], 4, 1.0, 1.0, 32, sample_seeds(0, 5, 2))
-    b = vllm_engine.generate([prompt, prompt], 4, 1.0, 1.0, 32, sample_seeds(0, 5, 2))
+    a = vllm_engine.generate([prompt, prompt], Sampling(4, 1.0, 1.0, 32), sample_seeds(0, 5, 2))
+    b = vllm_engine.generate([prompt, prompt], Sampling(4, 1.0, 1.0, 32), sample_seeds(0, 5, 2))
     assert a.completion_ids == b.completion_ids  # same (seed, step) -> same samples
     assert a.completion_ids[0] != a.completion_ids[1]  # two prompts do not share a random stream
 

@@ -20,8 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from grpo_cli import evaluate
-from grpo_cli.evaluate import answer_key, majority_vote, pass_at_k, summarise
+from grpo_cli import evaluate, heldout
+from grpo_cli.config import DataConfig
+from grpo_cli.heldout import HeldoutSet, answer_key, majority_vote, pass_at_k, summarise
+from grpo_cli.rollout import Sampling
 
 REPO = Path(__file__).resolve().parents[1]
 EVAL_KEYS = {"pass@1", "pass@k", "k", "maj@k", "mean_length", "truncation_rate", "mean_reward", "per_tier",
@@ -92,11 +94,12 @@ class ScriptedEngine:
 
     def __init__(self, texts, truncated):
         self.texts, self.truncated = texts, truncated
+        self.tokenizer = type("Decoder", (), {"decode": staticmethod(lambda ids: f"prompt {ids}")})()
 
-    def generate(self, prompt_ids, group_size, temperature, top_p, max_new_tokens, seeds):
+    def generate(self, prompt_ids, sampling, seeds):
         from grpo_cli.rollout import Rollouts
 
-        assert len(self.texts) == len(prompt_ids) and all(len(g) == group_size for g in self.texts)
+        assert len(self.texts) == len(prompt_ids) and all(len(g) == sampling.n for g in self.texts)
         ids = [[[0] * len(t) for t in group] for group in self.texts]
         return Rollouts(prompt_ids, ids, [[[0.0] * len(t) for t in g] for g in self.texts], self.texts,
                         self.truncated)
@@ -111,8 +114,9 @@ def test_heldout_metrics_per_tier_and_samples():
     truncated = [[False, False, False], [False, False, True]]
     reward_fns = load_rewards([RewardSpec("correct", 1.0, correctness=True), RewardSpec("format", 0.1)])
     samples = []
-    m = evaluate.heldout_metrics(ScriptedEngine(texts, truncated), rows, lambda row: [1, 2], reward_fns,
-                                 "answer_line", 3, 1.0, 1.0, 32, [0, 1], samples=samples)
+    problems = HeldoutSet.build(rows, lambda row: [1, 2], reward_fns, DataConfig())
+    m = heldout.heldout_metrics(ScriptedEngine(texts, truncated), problems, Sampling(3, 1.0, 1.0, 32), [0, 1],
+                                samples=samples)
     assert m["pass@1"] == pytest.approx(3 / 6) and m["pass@k"] == 1.0
     assert m["maj@k"] == pytest.approx(0.5)  # tier 1 votes 11 (wrong), tier 2 votes 7.50 (right)
     assert m["per_tier"]["1"]["pass@1"] == pytest.approx(1 / 3) and m["per_tier"]["2"]["maj@k"] == 1.0
@@ -120,12 +124,13 @@ def test_heldout_metrics_per_tier_and_samples():
     assert m["truncation_rate"] == pytest.approx(1 / 6)
     assert len(samples) == 6 and samples[4]["rewards"] == {"correct": 1.0, "format": 1.0}
     assert samples[5]["completion"] == "nothing" and samples[5]["truncated"] is True
-    flat = evaluate.flatten(m)
+    assert samples[0]["prompt"] == "prompt [1, 2]"
+    flat = heldout.flatten(m)
     assert flat["eval/pass@1"] == m["pass@1"] and flat["eval/pass@1_tier2"] == pytest.approx(2 / 3)
     assert flat["eval/reward/format"] == pytest.approx(5 / 6)
-    no_tier = evaluate.heldout_metrics(ScriptedEngine(texts, truncated), [{k: r[k] for k in ("question", "answer")}
-                                                                          for r in rows],
-                                       lambda row: [1], reward_fns, "answer_line", 3, 1.0, 1.0, 32, [0, 1])
+    untiered = HeldoutSet.build([{k: r[k] for k in ("question", "answer")} for r in rows], lambda row: [1], reward_fns,
+                                DataConfig())
+    no_tier = heldout.heldout_metrics(ScriptedEngine(texts, truncated), untiered, Sampling(3, 1.0, 1.0, 32), [0, 1])
     assert no_tier["per_tier"] == {}
 
 
@@ -141,8 +146,9 @@ def test_the_correctness_reward_is_named_in_the_recipe_not_its_position():
     with pytest.raises(UsageError, match="mark exactly one"):
         load_rewards([RewardSpec("format", 0.1), RewardSpec("correct", 1.0)])
     reward_fns = load_rewards([RewardSpec("format", 0.1), RewardSpec("correct", 1.0, correctness=True)])
-    m = evaluate.heldout_metrics(ScriptedEngine(texts, [[False] * 3]), rows, lambda row: [1, 2], reward_fns,
-                                 "answer_line", 3, 1.0, 1.0, 32, [0])
+    m = heldout.heldout_metrics(ScriptedEngine(texts, [[False] * 3]),
+                                HeldoutSet.build(rows, lambda row: [1, 2], reward_fns, DataConfig()),
+                                Sampling(3, 1.0, 1.0, 32), [0])
     assert m["pass@1"] == pytest.approx(1 / 3) and m["mean_reward"]["format"] == pytest.approx(2 / 3)
 
 
@@ -236,7 +242,7 @@ BAD_INPUTS = [
      "checkpoints in {root}/run/checkpoints: step_000010, truncated, final"),
     (["checkpoint={root}/run/checkpoints/no_marker"], "'{root}/run/checkpoints/no_marker' is a partial checkpoint"),
     (["checkpoint={root}/run/checkpoints/truncated"],
-     "'{root}/run/checkpoints/truncated/model.safetensors' is corrupted or truncated (safetensors: "),
+     "'{root}/run/checkpoints/truncated/model.safetensors' is corrupted or truncated (121 bytes where its header describes"),
     (["checkpoint=best", "run={root}/run"], "no best checkpoint is recorded in '{root}/run'"),
     (["checkpoints=[{root}/run/checkpoints/final,{root}/wide]"],
      "'{root}/wide' does not fit the engine started on '{root}/run/checkpoints/final': config.json hidden_size"),

@@ -1,4 +1,5 @@
-"""Run monitoring: metrics/completions JSONL, plain vs live console, zero-variance warnings, summary, wandb offline."""
+"""Watching a run: metrics/completions JSONL and wandb offline (loggers.py), plain vs live console and the
+summary (console.py), zero-variance warnings (watch.py), library quieting (runtime.py)."""
 
 from __future__ import annotations
 
@@ -13,18 +14,10 @@ from pathlib import Path
 import pytest
 
 from grpo_cli.config import LoggingConfig
-from grpo_cli.monitor import (
-    QUIET_ENV,
-    FanoutLogger,
-    JsonlLogger,
-    NullLogger,
-    PlainConsole,
-    ZeroVarianceWatch,
-    make_console,
-    make_logger,
-    summary_lines,
-    wandb_mode,
-)
+from grpo_cli.console import PlainConsole, make_console, summary_lines
+from grpo_cli.loggers import FanoutLogger, JsonlLogger, NullLogger, make_logger, wandb_mode
+from grpo_cli.runtime import QUIET_ENV
+from grpo_cli.watch import ZeroVarianceWatch
 
 REPO = Path(__file__).resolve().parents[1]
 ANSI = "\x1b["
@@ -126,7 +119,7 @@ def test_plain_console_eval_step_samples_and_warnings_are_plain_lines():
 
 def test_console_through_a_pipe_is_plain():
     code = (
-        "from grpo_cli.monitor import make_console\n"
+        "from grpo_cli.console import make_console\n"
         "c = make_console(4, 2)\n"
         "c.start()\n"
         "for s in range(1, 5):\n"
@@ -235,7 +228,7 @@ def test_summary_lines_name_steps_time_pass_at_1_and_files(tmp_path):
 def test_quiet_third_party_sets_env_and_respects_the_user_and_verbose():
     code = (
         "import json, logging, os\n"
-        "from grpo_cli.monitor import QUIET_ENV, quiet_third_party\n"
+        "from grpo_cli.runtime import QUIET_ENV, quiet_third_party\n"
         "quiet_third_party(verbose=True)\n"
         "untouched = {k: os.environ.get(k) for k in QUIET_ENV}\n"
         "quiet_third_party(verbose=False)\n"

@@ -18,7 +18,8 @@ from grpo_cli.dist import Dist
 from grpo_cli.grpo import LossParams
 from grpo_cli.rewards import RewardFailures, Scores
 from grpo_cli.rollout import Rollouts
-from grpo_cli.update import NonFiniteGuard, merge_token_means
+from grpo_cli.update import merge_token_means
+from grpo_cli.watch import NonFiniteGuard
 
 
 def test_cursor_walks_a_seeded_order_then_reshuffles_per_epoch():
@@ -49,9 +50,10 @@ def groups_of(prompt_ids, completion_ids, advantages, keep):
                         [[[-0.5] * len(c) for c in group] for group in completion_ids],
                         [["x"] * G for _ in range(P)], [[False] * G for _ in range(P)])
     zeros = torch.zeros(P, dtype=torch.bool)
-    return Groups([{}] * P, prompt_ids, rollouts, Scores([0.0] * (P * G), {"correct": [0.0] * (P * G)}),
+    return Groups([{}] * P, prompt_ids, rollouts,
+                  Scores([0.0] * (P * G), {"correct": [0.0] * (P * G)}, [False] * (P * G)),
                   RewardFailures(), torch.zeros(P, G), torch.tensor(advantages), zeros, zeros,
-                  torch.tensor(keep))
+                  torch.tensor(keep), dropped=torch.zeros(P, G, dtype=torch.bool))
 
 
 def test_train_batch_keeps_groups_pads_once_and_normalizes_over_the_full_batch():
@@ -178,6 +180,16 @@ def test_two_gloo_ranks_reduce_and_broadcast(tmp_path):
                      "rank 1/2 main=False sum=[3.0, 1.0] all=False got=0"]
 
 
+def stage_state(**parts):
+    """A RunState that holds only what the stage under test reads (the rest None), at world size 1."""
+    import dataclasses
+
+    from grpo_cli.setup import RunState
+
+    unset = {f.name: None for f in dataclasses.fields(RunState) if f.name not in ("best_pass", "history")}
+    return RunState(**{**unset, "dist": Dist(), **parts})
+
+
 def tiny_policy(seed: int = 0):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -191,7 +203,7 @@ def run_update(micro_batch_size: int, ppo_epochs: int = 2, minibatches: int = 2)
     """One training step's update on a fixed synthetic batch; returns the weights after it and the stats."""
     from grpo_cli.config import RewardSpec, RolloutConfig, TrainConfig
     from grpo_cli.optim import build_optimizer
-    from grpo_cli.update import loss_params, score_batch, update
+    from grpo_cli.update import fill_logprobs, loss_params, update
 
     g = torch.Generator().manual_seed(1)
     P, G = 4, 4
@@ -211,8 +223,9 @@ def run_update(micro_batch_size: int, ppo_epochs: int = 2, minibatches: int = 2)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, scheduler.lr_lambdas[0])
     params = loss_params(cfg)
     batch = TrainBatch.build(groups, 0, cfg.trainer, Dist(), params)
-    score_batch(policy, None, batch, groups, cfg, Dist())
-    stats = update(policy, optimizer, scheduler, batch, params, cfg, Dist())
+    state = stage_state(policy=policy, optimizer=optimizer, scheduler=scheduler)
+    fill_logprobs(state, batch, groups, cfg)
+    stats = update(state, batch, params, cfg)
     return {k: v.detach().clone() for k, v in policy.state_dict().items()}, stats, scheduler
 
 
@@ -249,28 +262,29 @@ def synthetic_groups(P: int = 3, G: int = 4, seed: int = 1):
 
 def sgd_update(groups, cfg):
     """One update of a fresh tiny policy on `groups` with plain SGD; returns the weights and the batch."""
-    from grpo_cli.update import loss_params, score_batch, update
+    from grpo_cli.update import fill_logprobs, loss_params, update
 
     policy = tiny_policy()
     optimizer = torch.optim.SGD(policy.parameters(), lr=cfg.trainer.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     params = loss_params(cfg)
     batch = TrainBatch.build(groups, 0, cfg.trainer, Dist(), params)
-    score_batch(policy, None, batch, groups, cfg, Dist())
-    update(policy, optimizer, scheduler, batch, params, cfg, Dist())
+    state = stage_state(policy=policy, optimizer=optimizer, scheduler=scheduler)
+    fill_logprobs(state, batch, groups, cfg)
+    update(state, batch, params, cfg)
     return {k: v.detach().clone() for k, v in policy.state_dict().items()}, batch
 
 
 def test_seq_mask_rejection_is_the_update_without_the_rejected_samples():
     """A sample rejected by trainer.mismatch_correction=seq_mask leaves the loss and the normalizer: the
     update equals the one where those samples never entered the batch."""
-    from grpo_cli.update import score_logprobs
+    from grpo_cli.update import batch_logprobs
 
     P, G = 3, 4
     groups = synthetic_groups(P, G)
     cfg = loop_cfg(P, mismatch_correction="seq_mask")
     batch = TrainBatch.build(groups, 0, cfg.trainer, Dist(), LossParams())
-    own = score_logprobs(tiny_policy(), batch, cfg.trainer.logprob_chunk_tokens, 1.0)  # the trainer's logprobs
+    own = batch_logprobs(tiny_policy(), batch, cfg.trainer.logprob_chunk_tokens, 1.0)  # the trainer's logprobs
     rejected = {(0, 1), (2, 0), (2, 3)}
     for mb, lp in zip(batch.micro_batches, own):
         for i, j in enumerate(mb.rows):
@@ -292,7 +306,7 @@ def test_kl_in_reward_keeps_dropped_samples_out_of_their_groups_statistics():
     """With trainer.kl_in_reward, the advantages recomputed from the penalised rewards leave the samples a
     reward with on_failure=drop failed on out of their group's mean and std, as the normal path does."""
     from grpo_cli import grpo
-    from grpo_cli.update import score_batch
+    from grpo_cli.update import fill_logprobs
 
     P, G = 2, 4
     groups = synthetic_groups(P, G)
@@ -302,7 +316,7 @@ def test_kl_in_reward_keeps_dropped_samples_out_of_their_groups_statistics():
     from grpo_cli.update import loss_params
 
     batch = TrainBatch.build(groups, 0, cfg.trainer, Dist(), loss_params(cfg))
-    score_batch(tiny_policy(), tiny_policy(seed=1), batch, groups, cfg, Dist())
+    fill_logprobs(stage_state(policy=tiny_policy(), reference=tiny_policy(seed=1)), batch, groups, cfg)
     advantage, penalty = {}, {}
     for mb in batch.micro_batches:
         kl = grpo.KL_ESTIMATORS["k3"](mb.old_logprobs, mb.ref_logprobs)  # [b, Tc]
@@ -339,23 +353,22 @@ def even_rows_solved(completions, id, **kwargs):
 
 def test_dynamic_sampling_adds_rounds_until_enough_groups_have_signal(hf_engine):
     from grpo_cli.collect import collect_groups
-    from grpo_cli.config import RewardSpec, RolloutConfig, TrainConfig
-    from grpo_cli.monitor import StepTimer
+    from grpo_cli.config import DataConfig, RewardSpec, RolloutConfig, TrainConfig
+    from grpo_cli.metrics import StepTimer
     from grpo_cli.rewards import WeightedReward
+    from grpo_cli.setup import Task
 
     engine, tokenizer = hf_engine
     rows = [{"id": i, "question": f"q{i}"} for i in range(40)]
     rewards = [WeightedReward("even_rows_solved", even_rows_solved, 1.0)]
-
-    def encode(row):
-        return tokenizer(row["question"], add_special_tokens=False)["input_ids"]
+    task = Task(rows, [], rewards, "", tokenizer, DataConfig())
 
     cfg = TrainConfig(task="t", rewards=[RewardSpec(name="correct")],
                       rollout=RolloutConfig(prompts_per_step=4, group_size=4, max_new_tokens=6, dynamic_sampling=True,
                                             max_sampling_rounds=5))
 
     def collect(cursor):
-        return collect_groups(engine, cursor, rows, encode, rewards, cfg, 3, Dist(), StepTimer())
+        return collect_groups(stage_state(task=task, engine=engine, cursor=cursor), cfg, 3, StepTimer())
 
     cursor = PromptCursor(len(rows), seed=0)
     groups = collect(cursor)

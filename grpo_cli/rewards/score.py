@@ -113,7 +113,7 @@ def _call_reward(reward: WeightedReward, completions: list, per_sample: dict[str
 class Scores(NamedTuple):
     total: list[float]  # [N] weighted sum over the reward functions
     per_function: dict[str, list[float]]  # name -> [N] raw scores, in recipe order
-    dropped: list[bool] | None = None  # [N] a reward with on_failure=drop failed on it: it leaves the loss
+    dropped: list[bool]  # [N] a reward with on_failure=drop failed on it: it leaves the loss
 
 
 # keyword names the scorer itself passes (the last three when the caller knows them: grpo train, grpo eval)

@@ -17,7 +17,8 @@ from grpo_cli.dist import Dist
 from grpo_cli.dist.shard import full_tensors, shard_model
 from grpo_cli.rewards import RewardFailures, Scores
 from grpo_cli.rollout import Rollouts
-from grpo_cli.update import loss_params, score_batch, update
+from grpo_cli.setup import RunState
+from grpo_cli.update import fill_logprobs, loss_params, update
 
 
 def tiny(seed):
@@ -42,7 +43,7 @@ def main(out_path, micro_batch_size, loss, kl_in_reward):
     rollouts = Rollouts(prompt_ids, completion_ids, [[[-0.5] * len(c) for c in grp] for grp in completion_ids],
                         [["x"] * G for _ in range(P)], [[False] * G for _ in range(P)])
     none = torch.zeros(P, dtype=torch.bool)
-    groups = Groups([{}] * P, prompt_ids, rollouts, Scores([0.0] * (P * G), {"correct": [0.0] * (P * G)}),
+    groups = Groups([{}] * P, prompt_ids, rollouts, Scores([0.0] * (P * G), {"correct": [0.0] * (P * G)}, [False] * (P * G)),
                     RewardFailures(), torch.zeros(P, G), advantages, none, none, keep,
                     dropped=torch.zeros(P, G, dtype=torch.bool))
     cfg = TrainConfig(task="t", rewards=[RewardSpec(name="correct")], rollout=RolloutConfig(prompts_per_step=P),
@@ -57,8 +58,10 @@ def main(out_path, micro_batch_size, loss, kl_in_reward):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: 1.0)
     params = loss_params(cfg)
     batch = TrainBatch.build(groups, 0, cfg.trainer, dist, params)
-    score_batch(policy, reference, batch, groups, cfg, dist)
-    stats = update(policy, optimizer, scheduler, batch, params, cfg, dist)
+    state = RunState(task=None, dist=dist, run_dir=None, start=None, policy=policy, reference=reference, engine=None,
+                     optimizer=optimizer, scheduler=scheduler, cursor=None, heldout=None)  # what the stages read
+    fill_logprobs(state, batch, groups, cfg)
+    stats = update(state, batch, params, cfg)
     weights = {name: t.clone() for name, t in full_tensors(policy)}
     if dist.is_main:
         torch.save({"weights": weights, "stats": stats, "passes": len(batch.micro_batches)}, out_path)

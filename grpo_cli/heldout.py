@@ -1,0 +1,175 @@
+"""Held-out metrics: sample each held-out problem k times and measure it, for `grpo train` and `grpo eval`.
+
+pass@1 (mean of the recipe's correctness reward, `rewards[i].correctness`), unbiased pass@k,
+maj@k, mean reward per function, mean completion length (tokens), truncation rate, the same
+per difficulty tier when the rows have a `tier` column, and greedy accuracy (temperature 0).
+The metric functions are pure; `heldout_metrics` and `greedy_accuracy` sample with an engine.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from grpo_cli.config import DataConfig
+    from grpo_cli.rewards import WeightedReward
+    from grpo_cli.rollout import Engine, Sampling
+
+FULL_CREDIT = 1.0 - 1e-9  # a sample counts as correct for pass@k when its correctness reward reaches 1
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k of one problem with c correct among n samples: 1 - C(n-c, k) / C(n, k) (Chen et al. 2021)."""
+    if not (0 <= c <= n and 1 <= k <= n):
+        raise ValueError(f"pass_at_k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:  # every k-subset holds a correct sample
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def answer_key(completion: str, answer_format: str) -> Any:
+    """What a completion votes for in maj@k: its final answer at cent precision (rewards.final_answer);
+    for an answer that is not a number, the single stated answer's text; None = no vote."""
+    from grpo_cli.rewards import final_answer, final_answers
+
+    value = final_answer(completion, answer_format)
+    if value is not None:
+        return value
+    raw = final_answers(completion, answer_format)
+    return raw[0].strip() if len(raw) == 1 and raw[0].strip() else None
+
+
+def majority_vote(answers: list[Any]) -> int | None:
+    """Index of the sample that represents the winning answer, or None when no sample has an answer.
+
+    The most frequent non-None answer wins; a tie goes to the answer that appeared first,
+    and the representative is that answer's first sample (deterministic, order-based).
+    """
+    counts = Counter(a for a in answers if a is not None)
+    if not counts:
+        return None
+    first: dict[Any, int] = {}
+    for i, a in enumerate(answers):
+        if a is not None:
+            first.setdefault(a, i)
+    winner = max(counts, key=lambda a: (counts[a], -first[a]))
+    return first[winner]
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def summarise(problems: list[int], k: int, correct: list[float], per_function: dict[str, list[float]],
+              lengths: list[int], truncated: list[bool], votes: list[Any]) -> dict[str, Any]:
+    """The metrics of some problems (indices) from per-sample values laid out [N*k] (problem-major)."""
+    samples = [p * k + j for p in problems for j in range(k)]
+    num_correct = [sum(correct[p * k + j] >= FULL_CREDIT for j in range(k)) for p in problems]
+    majority = []
+    for p in problems:
+        winner = majority_vote(votes[p * k:(p + 1) * k])
+        majority.append(correct[p * k + winner] if winner is not None else 0.0)  # the vote's answer, scored
+    return {
+        "pass@1": _mean([correct[s] for s in samples]),
+        "pass@k": _mean([pass_at_k(k, c, k) for c in num_correct]),
+        "k": k,
+        "maj@k": _mean(majority),
+        "mean_length": _mean([lengths[s] for s in samples]),
+        "truncation_rate": _mean([float(truncated[s]) for s in samples]),
+        "mean_reward": {name: _mean([values[s] for s in samples]) for name, values in per_function.items()},
+        "num_problems": len(problems),
+    }
+
+
+def _tiers(rows: list[dict[str, Any]]) -> dict[str, list[int]]:
+    """tier -> problem indices, when the rows have a `tier` column (bike_pricing); else {}."""
+    if not rows or "tier" not in rows[0]:
+        return {}
+    tiers: dict[str, list[int]] = {}
+    for i, row in enumerate(rows):
+        tiers.setdefault(str(row["tier"]), []).append(i)
+    return dict(sorted(tiers.items()))
+
+
+@dataclass(frozen=True)
+class HeldoutSet:
+    """The held-out problems as the engine and the rewards see them."""
+
+    rows: list[dict[str, Any]]  # the problems' dataset rows
+    prompt_ids: list[list[int]]  # each row's prompt, encoded once
+    rewards: list[WeightedReward]  # the recipe's rewards (one is the correctness check)
+    answer_format: str  # data.answer_format
+    prompt_column: str  # data.prompt_column: the question each completion answers (passed as `prompt`)
+
+    @classmethod
+    def build(cls, rows: list[dict[str, Any]], encode: Callable[[dict[str, Any]], list[int]],
+              rewards: list[WeightedReward], data: DataConfig) -> HeldoutSet:
+        return cls(rows, [encode(row) for row in rows], rewards, data.answer_format, data.prompt_column)
+
+    def score(self, texts: list[str], lengths: list[int], k: int, max_new_tokens: int) -> Any:
+        """The rewards' Scores of k completions per row, laid out row-major [N*k]."""
+        from grpo_cli.rewards import score
+
+        columns = {key: [row[key] for row in self.rows for _ in range(k)] for key in self.rows[0]}  # each [N*k]
+        return score(self.rewards, texts, columns, self.answer_format, completion_tokens=lengths,
+                     max_new_tokens=max_new_tokens, prompts=columns.get(self.prompt_column), group_size=k)
+
+
+def heldout_metrics(engine: Engine, heldout: HeldoutSet, sampling: Sampling, seeds: list[int],
+                    samples: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Sample `sampling.n` = k completions per held-out row and measure them (see `summarise`), overall
+    and per tier. `samples`, when given, receives one record per sample (prompt, completion, rewards,
+    length, truncated, row columns). For the training log, `flatten(metrics)` gives eval/... keys."""
+    from grpo_cli.rewards import correctness_name
+
+    k, rows = sampling.n, heldout.rows
+    out = engine.generate(heldout.prompt_ids, sampling, seeds)
+    texts = [t for group in out.texts for t in group]  # [N*k]
+    lengths = [len(c) for group in out.completion_ids for c in group]  # [N*k]
+    scored = heldout.score(texts, lengths, k, sampling.max_new_tokens)
+    correct = scored.per_function[correctness_name(heldout.rewards)]  # [N*k]
+    truncated = [bool(t) for group in out.truncated for t in group]  # [N*k]
+    votes = [answer_key(t, heldout.answer_format) for t in texts]  # [N*k]
+    parts = (k, correct, scored.per_function, lengths, truncated, votes)
+    metrics = summarise(list(range(len(rows))), *parts)
+    metrics["per_tier"] = {tier: summarise(idx, *parts) for tier, idx in _tiers(rows).items()}
+    if samples is not None:
+        for s, text in enumerate(texts):
+            p = s // k
+            samples.append({
+                "problem": p, "sample": s % k, "prompt": engine.tokenizer.decode(heldout.prompt_ids[p]),
+                "completion": text, "rewards": {name: values[s] for name, values in scored.per_function.items()},
+                "length": lengths[s], "truncated": truncated[s], "columns": rows[p],
+            })
+    return metrics
+
+
+def greedy_accuracy(engine: Engine, heldout: HeldoutSet, max_new_tokens: int) -> tuple[float, dict[str, float]]:
+    """Accuracy of one temperature-0 completion per row: (overall, per tier)."""
+    from grpo_cli.rewards import correctness_name
+    from grpo_cli.rollout import Sampling
+
+    out = engine.generate(heldout.prompt_ids, Sampling(1, 0.0, 1.0, max_new_tokens), list(range(len(heldout.rows))))
+    scored = heldout.score([group[0] for group in out.texts], [len(group[0]) for group in out.completion_ids], 1,
+                           max_new_tokens)
+    correct = scored.per_function[correctness_name(heldout.rewards)]  # [N]
+    return _mean(correct), {tier: _mean([correct[i] for i in idx]) for tier, idx in _tiers(heldout.rows).items()}
+
+
+def flatten(metrics: dict[str, Any], prefix: str = "eval/") -> dict[str, float]:
+    """heldout_metrics' dict -> flat log keys: eval/pass@1, eval/reward/NAME, eval/pass@1_tier1, ..."""
+    flat: dict[str, float] = {}
+    for key, value in metrics.items():
+        if key == "mean_reward":
+            flat.update({f"{prefix}reward/{name}": v for name, v in value.items()})
+        elif key == "per_tier":
+            for tier, sub in value.items():
+                flat.update({f"{prefix}{name}_tier{tier}": v for name, v in sub.items()
+                             if isinstance(v, float) and name != "mean_reward"})
+        elif key not in ("k", "num_problems"):
+            flat[f"{prefix}{key}"] = value
+    return flat

@@ -16,6 +16,9 @@ from typing import Any
 BUILTIN_PREFIX = "builtin:"
 MODELS_DIR = Path(__file__).resolve().parent / "models"  # models shipped inside the package
 COMPLETE_MARKER = "checkpoint.json"  # written last; its presence marks a complete checkpoint
+# The layout of a resumable checkpoint (checkpoint.json, trainer_state.pt, optimizer/). A resume reads only
+# this version; a change to what those files hold raises it (see CHANGELOG.md).
+FORMAT_VERSION = 1
 
 
 def resolve_model_path(name_or_path: str) -> str:
@@ -215,8 +218,8 @@ def checkpoint_info(step: int, cfg: Any, base_model: str, pass_at_1: float | Non
     number of processes that wrote it."""
     import dataclasses
 
-    return {"step": step, "task": cfg.task, "base_model": base_model, "config": dataclasses.asdict(cfg),
-            "eval/pass@1": pass_at_1, "world_size": world_size}
+    return {"format_version": FORMAT_VERSION, "step": step, "task": cfg.task, "base_model": base_model,
+            "config": dataclasses.asdict(cfg), "eval/pass@1": pass_at_1, "world_size": world_size}
 
 
 def trainer_state(optimizer: Any, scheduler: Any, cursor: Any, best_pass: float, schedule_steps: int) -> dict[str, Any]:
@@ -236,15 +239,12 @@ def trainer_state(optimizer: Any, scheduler: Any, cursor: Any, best_pass: float,
 def restore_trainer_state(state: dict[str, Any], optimizer: Any, scheduler: Any, cursor: Any,
                           path: Path | None = None, model: Any = None) -> float:
     """Put a `trainer_state` (and the checkpoint's OPTIMIZER_DIR) back in place; returns the best
-    held-out pass@1 it had. A checkpoint from before OPTIMIZER_DIR holds the whole optimizer in
-    `state["optimizer"]`, numbered in parameter order."""
+    held-out pass@1 it had."""
     import random
 
     import torch
 
-    if "optimizer" in state:
-        load_legacy_optimizer(optimizer, model, state["optimizer"])
-    elif path is not None and (Path(path) / OPTIMIZER_DIR).is_dir():
+    if path is not None and (Path(path) / OPTIMIZER_DIR).is_dir():
         load_optimizer(optimizer, model, Path(path) / OPTIMIZER_DIR, state["optimizer_param_groups"])
     else:  # fresh moments would make the resumed run a different one
         from grpo_cli.errors import UsageError
@@ -256,19 +256,6 @@ def restore_trainer_state(state: dict[str, Any], optimizer: Any, scheduler: Any,
     random.setstate(state["python_rng"])
     torch.set_rng_state(state["torch_rng"])
     return state["best_pass"]
-
-
-def load_legacy_optimizer(optimizer: Any, model: Any, saved: dict[str, Any]) -> None:
-    """A one-process optimizer state_dict (full tensors); at world size > 1 each rank keeps its shard."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    state = {}
-    for i, values in saved["state"].items():
-        p = params[int(i)]
-        state[i] = {k: distribute_tensor(v, p.device_mesh, p.placements) if isinstance(p, DTensor) and k != "step"
-                    else v for k, v in values.items()}
-    optimizer.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
 
 
 def load_trainer_state(path: Path) -> dict[str, Any]:

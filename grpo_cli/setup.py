@@ -13,6 +13,7 @@ import dataclasses
 import json
 import os
 import random
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -128,7 +129,7 @@ class Start:
 
 def resume_or_start(cfg: TrainConfig, run_dir: Path, model_path: str) -> Start:
     """The start point; a resume reads its checkpoint (the CLI resolved resume=DIR|auto to run_dir)."""
-    from grpo_cli.checkpoint import damaged_weights, load_trainer_state, read_info
+    from grpo_cli.checkpoint import FORMAT_VERSION, damaged_weights, load_trainer_state, read_info
     from grpo_cli.runs import step_checkpoints
 
     if not cfg.resume:
@@ -137,6 +138,10 @@ def resume_or_start(cfg: TrainConfig, run_dir: Path, model_path: str) -> Start:
     if damage := damaged_weights(path):
         raise UsageError(f"resume: {damage}")
     info = read_info(Path(path))  # a complete checkpoint's: list_checkpoints read it already
+    if info.get("format_version") != FORMAT_VERSION:  # a checkpoint from before the format had a number: 0
+        raise UsageError(f"resume: {path} is in checkpoint format {info.get('format_version', 0)}, and this "
+                         f"grpo_cli resumes format {FORMAT_VERSION} only; its weights still load: start a new run "
+                         f"from them with model.name_or_path={path}")
     check_same_run(info["config"], dataclasses.asdict(cfg))
     if info["step"] >= cfg.trainer.steps:
         raise UsageError(f"nothing to resume: {path} is at step {info['step']} and trainer.steps="
@@ -211,31 +216,32 @@ def start_run(cfg: TrainConfig, task: Task, run_dir: Path) -> RunState:
 RESUMABLE_CHANGES = ("resume", "output_dir", "trainer.steps", "logging.", "checkpoint.", "eval.every", "dist.")
 
 
-# Keys of older versions, with the key that replaced each and how its values translate, so runs saved
-# before a rename still resume.
-RENAMED_KEYS = {"trainer.scale_by_std": ("trainer.advantage", {True: "group_std", False: "group_mean"})}
-
-
 def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested config as dotted keys; a list of sections (rewards) by index: rewards.0.name, ..."""
     out: dict[str, Any] = {}
     for k, v in d.items():
-        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        elif isinstance(v, list) and v and all(isinstance(item, dict) for item in v):
+            out[f"{prefix}{k}.count"] = len(v)
+            for i, item in enumerate(v):
+                out.update(_flat(item, f"{prefix}{k}.{i}."))
+        else:
+            out[f"{prefix}{k}"] = v
     return out
 
 
 def check_same_run(saved: dict[str, Any], current: dict[str, Any]) -> None:
     """Refuse a resume whose config differs from the run's, except in RESUMABLE_CHANGES. A key the
-    saved run predates counts as unchanged when the current value is the schema's default."""
+    saved run predates (the schema gained it since) counts as unchanged when the current value is
+    the schema's default."""
     from grpo_cli.config import RewardSpec
 
-    saved = {**saved, "rewards": [{"args": {}, **spec} for spec in saved.get("rewards", [])]}  # args came later
     a, b = _flat(saved), _flat(current)
-    for old, (new, values) in RENAMED_KEYS.items():
-        if old in a and new not in a:
-            a[new] = values.get(a.pop(old), a.get(old))
     defaults = _flat(dataclasses.asdict(TrainConfig(task="-", rewards=[RewardSpec(name="-")])))
     for k in set(b) - set(a):
-        if k in defaults and b[k] == defaults[k]:
+        default_key = re.sub(r"\.\d+\.", ".0.", k)  # every reward has the same fields as the first
+        if default_key in defaults and b[k] == defaults[default_key]:
             a[k] = b[k]
     changed = [k for k in sorted(set(a) | set(b))
                if a.get(k) != b.get(k) and not any(k == c or k.startswith(c) for c in RESUMABLE_CHANGES)]

@@ -277,7 +277,8 @@ def tiny_run_config(tmp_path: Path, tiny_model_dir: Path, *extra: str):
 
 def test_a_resume_with_other_trainer_steps_keeps_the_original_lr_schedule(tmp_path, tiny_model_dir, capsys):
     """A decaying schedule spans the original run's trainer.steps: a resume that stops earlier keeps it
-    (the lr does not jump) and says so; one that would run past its end is refused."""
+    (the lr does not jump) and says so; one that would run past its end is refused, and so is a
+    checkpoint in another format."""
     import shutil
 
     from grpo_cli import train
@@ -301,6 +302,14 @@ def test_a_resume_with_other_trainer_steps_keeps_the_original_lr_schedule(tmp_pa
     longer = tiny_run_config(tmp_path, tiny_model_dir, "trainer.steps=6", f"resume={shorter}", *schedule)
     with pytest.raises(UsageError, match=r"trainer.steps=6 runs past the end of the run's linear lr schedule"):
         train.run(longer, shorter)
+
+    unversioned = tmp_path / "unversioned"  # a checkpoint from before the format had a number
+    shutil.copytree(shorter, unversioned)
+    marker = unversioned / "checkpoints" / "final" / "checkpoint.json"
+    marker.write_text(json.dumps({k: v for k, v in json.loads(marker.read_text()).items() if k != "format_version"}))
+    old = tiny_run_config(tmp_path, tiny_model_dir, "trainer.steps=3", f"resume={unversioned}", *schedule)
+    with pytest.raises(UsageError, match=r"is in checkpoint format 0, and this grpo_cli resumes format 1 only"):
+        train.run(old, unversioned)
 
 
 def test_pruning_counts_only_complete_checkpoints(tmp_path, tiny_model_dir):

@@ -386,9 +386,9 @@ def test_dynamic_sampling_adds_rounds_until_enough_groups_have_signal(hf_engine)
     assert single.rollouts.completion_ids == groups.rollouts.completion_ids[:4]  # round 0 samples as before
 
 
-def test_an_optimizer_state_saved_before_optimizer_dir_still_loads_and_the_new_format_round_trips(tmp_path):
-    """Checkpoints from before `optimizer/` hold AdamW's whole state_dict in trainer_state.pt; both load exactly."""
-    from grpo_cli.checkpoint import load_legacy_optimizer, load_optimizer, save_optimizer
+def test_the_optimizer_state_round_trips_exactly_with_two_parameter_groups(tmp_path):
+    """AdamW's moments go to optimizer/ by parameter name (torch.distributed.checkpoint) and come back exactly."""
+    from grpo_cli.checkpoint import load_optimizer, save_optimizer
     from grpo_cli.optim import build_optimizer
 
     policy = tiny_policy()
@@ -396,16 +396,12 @@ def test_an_optimizer_state_saved_before_optimizer_dir_still_loads_and_the_new_f
     policy(torch.tensor([[1, 2, 3]])).logits.sum().backward()
     optimizer.step()
     saved = optimizer.state_dict()
-    for load in ("legacy", "dcp"):
-        fresh, _ = build_optimizer(policy, TrainerConfig(norm_lr_scale=0.5))
-        if load == "legacy":
-            load_legacy_optimizer(fresh, policy, saved)
-        else:
-            save_optimizer(optimizer, policy, tmp_path / "optimizer")
-            load_optimizer(fresh, policy, tmp_path / "optimizer", saved["param_groups"])
-        restored = fresh.state_dict()
-        assert restored["param_groups"] == saved["param_groups"], load
-        assert restored["state"].keys() == saved["state"].keys(), load
-        for i, values in saved["state"].items():
-            for key, value in values.items():
-                assert restored["state"][i][key].equal(value), (load, i, key)
+    fresh, _ = build_optimizer(policy, TrainerConfig(norm_lr_scale=0.5))
+    save_optimizer(optimizer, policy, tmp_path / "optimizer")
+    load_optimizer(fresh, policy, tmp_path / "optimizer", saved["param_groups"])
+    restored = fresh.state_dict()
+    assert restored["param_groups"] == saved["param_groups"]
+    assert restored["state"].keys() == saved["state"].keys()
+    for i, values in saved["state"].items():
+        for key, value in values.items():
+            assert restored["state"][i][key].equal(value), (i, key)

@@ -36,9 +36,8 @@ RECIPE_PATH_ENV = "GRPO_RECIPE_PATH"  # extra recipe directories, separated like
 @dataclasses.dataclass(frozen=True)
 class Command:
     summary: str  # one line for `grpo --help`
-    runner: str | None  # "module:function" taking (config dataclass, run_dir or None); None = not built yet
+    runner: str  # "module:function" taking (config dataclass, run_dir or None)
     makes_run_dir: bool  # whether the command writes a run directory with a log file
-    issue: int | None = None  # where the missing piece is tracked, for commands not built yet
     needs_recipe: bool = True  # whether the command composes a recipe (recipe=NAME); False keeps the group out
     # "module:function" (overrides: dict, strict: bool) -> a run's saved config.yaml that stands in for the
     # recipe (recipe=NAME stays optional and wins); strict=True raises a UsageError instead of returning None
@@ -479,8 +478,7 @@ def _print_help() -> None:
         "commands:",
     ]
     for name, cmd in COMMANDS.items():
-        suffix = "" if cmd.runner else f" (not built yet, issue #{cmd.issue})"
-        lines.append(f"  {name:<8} {cmd.summary}{suffix}")
+        lines.append(f"  {name:<8} {cmd.summary}")
     recipes = available_recipes()
     lines += ["", "recipes:"] + [f"  {name:<20} {path}" for name, path in recipes.items()]
     lines += [
@@ -505,7 +503,7 @@ def _completion(argv: list[str]) -> int:
         line = os.environ.get("COMP_LINE", "")
         words = line.split()
         typed_command = len(words) >= 3 or (len(words) == 2 and line.endswith(" "))
-        if typed_command and words[1] in COMMANDS and COMMANDS[words[1]].runner:
+        if typed_command and words[1] in COMMANDS:
             # Drop the sub-command so Hydra sees "grpo <overrides>".
             os.environ["COMP_LINE"] = line.replace(f" {words[1]}", "", 1)
             return _run_hydra(words[1], argv, recipe_required=False)
@@ -544,9 +542,6 @@ def main(argv: list[str] | None = None) -> int:
     command, rest = argv[0], argv[1:]
     if command not in COMMANDS:
         _fail(command, f"unknown command{_did_you_mean(command, list(COMMANDS))}; choose one of: {', '.join(COMMANDS)}")
-    if COMMANDS[command].runner is None:
-        _fail(command, f"not built yet (tracked in issue #{COMMANDS[command].issue}); built: "
-              + ", ".join(n for n, c in COMMANDS.items() if c.runner))
     started = time.time()
     try:
         _register(command, rest=rest)

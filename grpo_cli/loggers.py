@@ -42,7 +42,9 @@ def _jsonable(value: Any) -> Any:
 
 
 class NullLogger:
-    """Logs nothing: stands in for wandb when it is off."""
+    """Logs nothing: stands in for wandb when it is off, and for every logger on ranks other than 0."""
+
+    notes: list[str] = []  # nothing to say at start
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         pass

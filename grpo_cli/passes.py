@@ -86,7 +86,7 @@ def body_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Mod
     """The transformer body (-> hidden states) and the lm_head of a Hugging Face causal LM."""
     if getattr(model.config, "final_logit_softcapping", None):
         raise NotImplementedError(f"{type(model).__name__} soft-caps its logits; token_logprobs does not model that")
-    body = model.get_decoder() if hasattr(model, "get_decoder") else model.model  # e.g. Qwen2Model, LlamaModel
+    body = model.get_decoder()  # e.g. Qwen2Model, LlamaModel
     head = model.get_output_embeddings()  # nn.Linear; with tie_word_embeddings its weight IS embed_tokens.weight
     return body, head
 
@@ -123,7 +123,7 @@ def token_logprobs(
 # Every completion of a group continues the same prompt, so the trainer runs the P prompts
 # through the body once and lets the P*G completions attend to their keys/values, instead
 # of running each prompt G times: on the default workload ~30% fewer tokens in the reference
-# pass and the update (issue 8). In the update the completions' gradient reaches the prompt
+# pass and the update. In the update the completions' gradient reaches the prompt
 # pass through detached leaves (`prompt_leaves`) that collect it over every micro-batch; one
 # backward through the prompt pass (`prompt_backward`) then adds the prompts' share. Exact up
 # to float summation order (tests/test_grpo_math.py checks values and gradients).

@@ -6,7 +6,7 @@ lives here. Two engines with the same small interface, picked from `ENGINES`:
 - `VLLMEngine` (default): an in-process vLLM engine. Weights are pushed after
   every optimizer step through the model runner's layer-wise `reload_weights`
   (the CPU backend repacks linear weights at load, so the model's own
-  `load_weights` fails there; see shared/DESIGN.md), then the prefix cache is
+  `load_weights` fails there; see docs/design.md), then the prefix cache is
   reset so no KV block computed with old weights is reused.
 - `HFEngine`: transformers `generate` on the trainer's own policy module, for
   machines without vLLM (CPU or CUDA). It shares the policy's parameters, so a
@@ -147,7 +147,7 @@ class VLLMEngine:
             kwargs["kv_cache_memory_bytes"] = int(rollout.kv_cache_gib * 2**30)
             kwargs["max_num_batched_tokens"] = CPU_MAX_BATCHED_TOKENS
             kwargs["max_num_seqs"] = CPU_MAX_SEQS
-        if world_size > 1:  # engines inside the torchrun ranks, on the job's process group (shared/DESIGN.md)
+        if world_size > 1:  # engines inside the torchrun ranks, on the job's process group (docs/design.md)
             kwargs["distributed_executor_backend"] = "external_launcher"
             kwargs["tensor_parallel_size"] = rollout.tensor_parallel_size  # consecutive ranks share one engine
         self.llm = LLM(
@@ -166,7 +166,7 @@ class VLLMEngine:
 
         group_size = sampling.n
         # detokenize=False: with it on, vLLM also decodes the token of every sampled logprob, step by
-        # step; the texts are decoded once at the end instead (0.86 s -> 0.74 s a default step, issue 8).
+        # step; the texts are decoded once at the end instead, in one batch (docs/benchmarks.md).
         params = [
             SamplingParams(n=group_size, temperature=sampling.temperature, top_p=sampling.top_p,
                            max_tokens=sampling.max_new_tokens, logprobs=0, seed=seed, detokenize=False)
@@ -332,7 +332,7 @@ class ShardedEngine:
 
     def __init__(self, engine: Any, dist: Any, tensor_parallel_size: int = 1) -> None:
         self.engine, self.dist, self.tp = engine, dist, tensor_parallel_size
-        self.tokenizer = getattr(engine, "tokenizer", None)
+        self.tokenizer = engine.tokenizer
 
     def generate(self, prompt_ids: list[list[int]], sampling: Sampling, seeds: list[int]) -> Rollouts:
         from grpo_cli.dist import contiguous_share

@@ -54,26 +54,17 @@ def quiet_third_party(verbose: bool) -> None:
         if name == "vllm" and "VLLM_LOGGING_LEVEL" in user_set:
             continue
         logging.getLogger(name).setLevel(logging.ERROR)
-    if "datasets" in sys.modules:
-        try:
-            import datasets
+    if "datasets" in sys.modules:  # already imported: its env variables were read; quiet it through its API
+        import datasets
 
-            datasets.disable_progress_bars()
-            datasets.logging.set_verbosity_error()
-        except Exception:  # an odd datasets version: the env variables still apply to new bars
-            pass
+        datasets.disable_progress_bars()
+        datasets.logging.set_verbosity_error()
     if "transformers" in sys.modules:
-        try:
-            from transformers.utils import logging as hf_logging
+        from transformers.utils import logging as hf_logging
 
-            hf_logging.set_verbosity_error()
-            hf_logging.disable_progress_bar()
-        except Exception:
-            pass
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
     if "huggingface_hub" in sys.modules:
-        try:
-            from huggingface_hub.utils import disable_progress_bars
+        from huggingface_hub.utils import disable_progress_bars
 
-            disable_progress_bars()
-        except Exception:
-            pass
+        disable_progress_bars()

@@ -115,7 +115,7 @@ class RunOutput:
         self.console.info(f"grpo train: {cfg.task} | model {model_path} | engine {cfg.rollout.engine} | "
                           f"{cfg.trainer.steps} steps of {cfg.rollout.prompts_per_step} prompts x "
                           f"{cfg.rollout.group_size}{ranks} | run dir {self.run_dir}")
-        for note in getattr(self.logger, "notes", []):
+        for note in self.logger.notes:
             self.console.info(note)
 
     def resumed(self, start: Start) -> None:

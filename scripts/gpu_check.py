@@ -224,7 +224,7 @@ def fsdp_world_of_one(shape: dict[str, Any], batch: dict[str, Any], w: dict[str,
     fully_shard(model, mp_policy=policy)
     result = {"update": timed_updates(fsdp_step, model, batch, w, device, params),
               "gather": timed_gather(model, device)}
-    dist.barrier()  # end with a barrier, not destroy_process_group (shared/DESIGN.md: it aborted both ranks)
+    dist.barrier()  # end with a barrier, not destroy_process_group (docs/design.md: it aborted both ranks)
     return result
 
 

@@ -34,7 +34,7 @@ What it does, top to bottom:
    with vLLM, vLLM's detokenized text, and held-out sampled (n=8, T=1) and
    greedy pass@1 per tier with vLLM, with the all-wrong/mixed/all-right split.
 
-The tokenizer trap (shared/DESIGN.md): `AutoTokenizer.from_pretrained` on a
+The tokenizer trap (docs/design.md): `AutoTokenizer.from_pretrained` on a
 directory whose config.json says model_type=qwen2 returns a `Qwen2Tokenizer`
 whatever tokenizer_config.json says, and that class rebuilds its normalizer and
 pre-tokenizer from scratch (NFC + Qwen2's split regex + byte-level), keeping
@@ -370,7 +370,7 @@ def hf_greedy_from_disk(out: Path, prompts: list[str], max_new_tokens: int) -> l
 
 
 def make_llm(path: str | Path, kv_cache_gib: float = 1.0, seed: int = 0, max_model_len: int | None = None):
-    """An in-process vLLM engine that works on the CPU backend (see shared/DESIGN.md)."""
+    """An in-process vLLM engine that works on the CPU backend (see docs/design.md)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))  # else vLLM drops torch to 1 thread
     from vllm import LLM

@@ -95,7 +95,7 @@ def test_missing_recipe_lists_available():
 def test_unknown_and_unbuilt_commands():
     out = grpo("trian")
     assert out.returncode == 2 and "did you mean 'train'" in out.stderr
-    out = grpo("eval")  # built (issue 5); without a checkpoint it says what to give, in one line
+    out = grpo("eval")  # without a checkpoint it says what to give, in one line
     assert out.returncode == 2 and out.stderr.strip() == (
         "grpo eval: error: no checkpoint given; set checkpoint=PATH (or latest|best|base with run=DIR) "
         "or checkpoints=[A,B]")

@@ -1,4 +1,4 @@
-"""The Countdown task (issue 18): its generator, and the rewards that check an expression with a
+"""The Countdown task: its generator, and the rewards that check an expression with a
 safe parser (never eval)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Rewards that cannot hang or crash a run (issue 18): each call in a killable worker under
+"""Rewards that cannot hang or crash a run: each call in a killable worker under
 `rewards[i].timeout_s`, failures counted per function and sample, `on_failure: zero | drop`.
 
 The functions below run in real spawned worker processes (they are imported there by name).

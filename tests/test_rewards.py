@@ -362,7 +362,7 @@ def test_reward_args_reach_the_function_and_token_counts_come_from_the_scorer():
 
 
 # ---------------------------------------------------------------------------
-# issue 18: one rule per answer format
+# one rule per answer format
 
 
 @pytest.mark.parametrize("answer_format, text, answers", [

@@ -1,4 +1,4 @@
-"""The tasks users bring (issue 18): the gsm8k and math recipes end to end on local rows in the
+"""The tasks users bring: the gsm8k and math recipes end to end on local rows in the
 hub's format (tests/fixtures), with math-verify rewards and a chat template, and every shipped
 recipe's reward case file through `grpo reward`.
 """

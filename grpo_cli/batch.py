@@ -14,9 +14,16 @@ minibatch's groups (`rank_share`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from grpo_cli.config import TrainerConfig
+
+if TYPE_CHECKING:
+    import torch
+
+    from grpo_cli.collect import Groups
+    from grpo_cli.dist import Dist
+    from grpo_cli.grpo import LossParams
 
 
 def make_micro_batches(lengths: list[int], max_seqs: int, max_tokens: int = 0) -> list[list[int]]:
@@ -39,7 +46,7 @@ def make_micro_batches(lengths: list[int], max_seqs: int, max_tokens: int = 0) -
     return batches
 
 
-def pad_rows(rows: list[list[int]], pad_id: int, device: Any = "cpu") -> tuple[Any, Any]:
+def pad_rows(rows: list[list[int]], pad_id: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """Right-padded ids [n, T] and their float mask [n, T] (1 on real tokens); T is at least 1."""
     import torch
 
@@ -52,7 +59,7 @@ def pad_rows(rows: list[list[int]], pad_id: int, device: Any = "cpu") -> tuple[A
     return ids.to(device), mask.to(device)
 
 
-def pad_values(values: list[list[float]], mask: Any) -> Any:
+def pad_values(values: list[list[float]], mask: torch.Tensor) -> torch.Tensor:
     """Per-token values of each completion, right-padded with 0 like `mask` [b, Tc] (and on its device)."""
     import torch
 
@@ -67,21 +74,21 @@ class MicroBatch:
     """One forward/backward pass: b completions, length-sorted."""
 
     rows: list[int]  # the completions' indices in TrainBatch.completions
-    prompt_index: Any  # [b] row of each completion's prompt in its Minibatch.prompt_ids
-    ids: Any  # [b, Tc] completion token ids, right-padded
-    mask: Any  # [b, Tc] 1 on completion tokens
-    advantages: Any  # [b, 1] each completion's advantage
-    sampling_logprobs: Any  # [b, Tc] the rollout engine's logprob of each sampled token (0 on padding)
-    ref_logprobs: Any = None  # [b, Tc] the frozen reference's, filled in by update.score_logprobs
-    old_logprobs: Any = None  # [b, Tc] the policy's before the first update (only when the ratio can move)
+    prompt_index: torch.Tensor  # [b] row of each completion's prompt in its Minibatch.prompt_ids
+    ids: torch.Tensor  # [b, Tc] completion token ids, right-padded
+    mask: torch.Tensor  # [b, Tc] 1 on completion tokens
+    advantages: torch.Tensor  # [b, 1] each completion's advantage
+    sampling_logprobs: torch.Tensor  # [b, Tc] the rollout engine's logprob of each sampled token (0 on padding)
+    ref_logprobs: torch.Tensor | None = None  # [b, Tc] the frozen reference's, filled in by update.fill_logprobs
+    old_logprobs: torch.Tensor | None = None  # [b, Tc] the policy's before the first update (only when the ratio can move)
 
 
 @dataclass
 class Minibatch:
     """The completions of one optimizer step: some of the step's groups, their prompts padded once."""
 
-    prompt_ids: Any  # [p, Tp] this minibatch's prompts, right-padded
-    prompt_mask: Any  # [p, Tp]
+    prompt_ids: torch.Tensor  # [p, Tp] this minibatch's prompts, right-padded
+    prompt_mask: torch.Tensor  # [p, Tp]
     micro_batches: list[MicroBatch]  # its forward/backward passes
     normalizer: float  # its loss normalizer (grpo.NORMALIZERS over all its completions, on every rank)
     rows: list[int] = field(default_factory=list)  # its completions (every rank's) in TrainBatch.completions
@@ -108,7 +115,7 @@ class TrainBatch:
         return [mb for part in self.minibatches for mb in part.micro_batches]
 
     @classmethod
-    def build(cls, groups: Any, pad_id: int, cfg: TrainerConfig, dist: Any, loss_params: Any) -> TrainBatch:
+    def build(cls, groups: Groups, pad_id: int, cfg: TrainerConfig, dist: Dist, loss_params: LossParams) -> TrainBatch:
         """Kept groups -> completions (truncated ones dropped with trainer.mask_truncated, and those a
         reward with on_failure=drop failed on) -> minibatches of whole groups -> length-sorted
         micro-batches, each padded on the run's device."""
@@ -127,18 +134,14 @@ class TrainBatch:
         advantages = groups.advantages.tolist()  # [P][G] python floats
         seq_adv = [advantages[kept[slot]][g] for slot, g in group_of]  # [N]
         seq_sampling_lp = [rollouts.sampling_logprobs[kept[slot]][g] for slot, g in group_of]  # [N][Tc_i]
-        for slots in _split(len(kept), cfg.minibatches):
+        from grpo_cli.dist import contiguous_share
+
+        parts = [contiguous_share(len(kept), i, cfg.minibatches) for i in range(cfg.minibatches)]
+        for slots in [part for part in parts if len(part)]:  # whole groups, the first parts one longer
             rows = [j for j, (slot, _) in enumerate(group_of) if slot in slots]
             batch.minibatches.append(_minibatch(batch, rows, slots, seq_adv, seq_sampling_lp, pad_id, cfg, dist,
                                                 loss_params))
         return batch
-
-
-def _split(n: int, parts: int) -> list[range]:
-    """0..n-1 in `parts` contiguous ranges of near-equal size (the first ones one longer); none empty."""
-    size, extra = divmod(n, parts)
-    bounds = [i * size + min(i, extra) for i in range(parts + 1)]
-    return [range(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
 
 
 def rank_share(slots: range, rank: int, world_size: int) -> range:
@@ -155,8 +158,8 @@ def _passes(batch: TrainBatch, rows: list[int], cfg: TrainerConfig) -> list[list
 
 
 def _minibatch(batch: TrainBatch, rows: list[int], slots: range, seq_adv: list[float],
-               seq_sampling_lp: list[list[float]], pad_id: int, cfg: TrainerConfig, dist: Any,
-               loss_params: Any) -> Minibatch:
+               seq_sampling_lp: list[list[float]], pad_id: int, cfg: TrainerConfig, dist: Dist,
+               loss_params: LossParams) -> Minibatch:
     """One optimizer step's completions `rows` (of prompts `slots`): this rank's share of its groups,
     their prompts padded once, micro-batches. Every rank holds the whole step's groups, so the
     normalizer is the whole minibatch's and every rank knows how many passes the others run: a
@@ -194,7 +197,7 @@ def _minibatch(batch: TrainBatch, rows: list[int], slots: range, seq_adv: list[f
     return Minibatch(prompt_ids, prompt_mask, passes, normalizer, rows)
 
 
-def minibatch_normalizer(completions: list[list[int]], loss: str, loss_params: Any) -> float:
+def minibatch_normalizer(completions: list[list[int]], loss: str, loss_params: LossParams) -> float:
     """What every micro-batch of a minibatch divides its loss by: grpo.NORMALIZERS[loss] over the
     minibatch's completions in the loss (every rank's, so all ranks divide by the same number)."""
     from grpo_cli import grpo

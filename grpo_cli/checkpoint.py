@@ -11,7 +11,14 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from grpo_cli.collect import PromptCursor
+    from grpo_cli.config import TrainConfig
+    from grpo_cli.dist import Dist
 
 BUILTIN_PREFIX = "builtin:"
 MODELS_DIR = Path(__file__).resolve().parent / "models"  # models shipped inside the package
@@ -75,7 +82,7 @@ def damaged_weights(model_dir: str) -> str | None:
     return None
 
 
-def torch_dtype(name: str) -> Any:
+def torch_dtype(name: str) -> torch.dtype:
     import torch
 
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
@@ -90,7 +97,7 @@ def load_tokenizer(path: str) -> Any:
     return tokenizer
 
 
-def load_policy(path: str, dtype: str) -> Any:
+def load_policy(path: str, dtype: str) -> torch.nn.Module:
     """A causal LM from safetensors only (use_safetensors refuses pickled .bin weights)."""
     from transformers import AutoModelForCausalLM
 
@@ -102,8 +109,9 @@ OPTIMIZER_DIR = "optimizer"  # AdamW's moments by parameter name, in torch.distr
 STEP_PREFIX = "step_"  # periodic checkpoints are checkpoints/step_000010, ...
 
 
-def save_checkpoint(model: Any, tokenizer: Any, path: Path, info: dict[str, Any],
-                    trainer_state: dict[str, Any] | None = None, optimizer: Any = None, dist: Any = None) -> Path:
+def save_checkpoint(model: torch.nn.Module, tokenizer: Any, path: Path, info: dict[str, Any],
+                    trainer_state: dict[str, Any] | None = None, optimizer: torch.optim.Optimizer | None = None,
+                    dist: Dist | None = None) -> Path:
     """Write model (safetensors) + tokenizer + config to `path` atomically; returns `path`.
 
     The files go to `path.tmp-PID` first; the marker file is written last, then the
@@ -158,7 +166,7 @@ def save_checkpoint(model: Any, tokenizer: Any, path: Path, info: dict[str, Any]
     return path
 
 
-def tied_duplicates(model: Any) -> set[str]:
+def tied_duplicates(model: torch.nn.Module) -> set[str]:
     """state_dict names that repeat an earlier entry's tensor (a tied lm_head)."""
     seen, repeats = set(), set()
     for name, tensor in model.state_dict(keep_vars=True).items():  # the parameters themselves: tied ones repeat
@@ -168,14 +176,14 @@ def tied_duplicates(model: Any) -> set[str]:
     return repeats
 
 
-def _named_params(model: Any) -> list[tuple[str, Any]]:
+def _named_params(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
     """The trainable parameters by their Hugging Face name (the same at any world size)."""
     from grpo_cli.dist.shard import unwrap
 
     return list(unwrap(model).named_parameters())
 
 
-def save_optimizer(optimizer: Any, model: Any, path: Path) -> None:
+def save_optimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module, path: Path) -> None:
     """AdamW's per-parameter state (moments, step) keyed by parameter name, with torch.distributed.checkpoint:
     sharded tensors as each rank holds them; DCP reshards them on load for another world size."""
     import warnings
@@ -188,7 +196,8 @@ def save_optimizer(optimizer: Any, model: Any, path: Path) -> None:
         dcp.save(state, checkpoint_id=str(path))
 
 
-def load_optimizer(optimizer: Any, model: Any, path: Path, param_groups: list[dict[str, Any]]) -> None:
+def load_optimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module, path: Path,
+                   param_groups: list[dict[str, Any]]) -> None:
     """The inverse of `save_optimizer`, into this run's (possibly differently sharded) parameters."""
     import warnings
 
@@ -212,7 +221,7 @@ def load_optimizer(optimizer: Any, model: Any, path: Path, param_groups: list[di
                                "param_groups": param_groups})
 
 
-def checkpoint_info(step: int, cfg: Any, base_model: str, pass_at_1: float | None, world_size: int) -> dict[str, Any]:
+def checkpoint_info(step: int, cfg: TrainConfig, base_model: str, pass_at_1: float | None, world_size: int) -> dict[str, Any]:
     """A checkpoint's checkpoint.json: its step, the run's task, base model and resolved config (a resume is
     refused when its config differs), the held-out pass@1 of its step (None when not measured), and the
     number of processes that wrote it."""
@@ -222,7 +231,8 @@ def checkpoint_info(step: int, cfg: Any, base_model: str, pass_at_1: float | Non
             "config": dataclasses.asdict(cfg), "eval/pass@1": pass_at_1, "world_size": world_size}
 
 
-def trainer_state(optimizer: Any, scheduler: Any, cursor: Any, best_pass: float, schedule_steps: int) -> dict[str, Any]:
+def trainer_state(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler, cursor: PromptCursor,
+                  best_pass: float, schedule_steps: int) -> dict[str, Any]:
     """Everything besides the weights and AdamW's moments (OPTIMIZER_DIR) that an exact resume needs:
     AdamW's groups (lr, betas, ...), the lr schedule and the training steps it spans, prompt order and
     position, the best held-out pass@1 so far, and the RNG states (tensors and plain types)."""
@@ -236,8 +246,9 @@ def trainer_state(optimizer: Any, scheduler: Any, cursor: Any, best_pass: float,
             "torch_rng": torch.get_rng_state()}
 
 
-def restore_trainer_state(state: dict[str, Any], optimizer: Any, scheduler: Any, cursor: Any,
-                          path: Path | None = None, model: Any = None) -> float:
+def restore_trainer_state(state: dict[str, Any], optimizer: torch.optim.Optimizer,
+                          scheduler: torch.optim.lr_scheduler.LRScheduler, cursor: PromptCursor,
+                          path: Path | None = None, model: torch.nn.Module | None = None) -> float:
     """Put a `trainer_state` (and the checkpoint's OPTIMIZER_DIR) back in place; returns the best
     held-out pass@1 it had."""
     import random

@@ -7,7 +7,12 @@ against `LR_SCHEDULES` itself without loading torch (or the training loop).
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from grpo_cli.config import TrainerConfig
 
 
 def constant_lr(index: int, warmup: int, total: int) -> float:
@@ -33,7 +38,7 @@ def cosine_lr(index: int, warmup: int, total: int) -> float:
 LR_SCHEDULES = {"constant": constant_lr, "linear": linear_lr, "cosine": cosine_lr}
 
 
-def param_groups(model: Any, lr: float, norm_lr_scale: float) -> list[dict[str, Any]]:
+def param_groups(model: torch.nn.Module, lr: float, norm_lr_scale: float) -> list[dict[str, Any]]:
     """AdamW groups: normalization gains (1-D weights named *norm*) at `lr * norm_lr_scale`, the rest at `lr`.
 
     Why: Adam moves every weight by about lr a step, whatever its gradient's size. A
@@ -49,11 +54,12 @@ def param_groups(model: Any, lr: float, norm_lr_scale: float) -> list[dict[str, 
     return [{"params": rest, "lr": lr}, {"params": norms, "lr": lr * norm_lr_scale}]
 
 
-def build_optimizer(model: Any, cfg: Any, schedule_steps: int | None = None) -> tuple[Any, Any]:
+def build_optimizer(model: torch.nn.Module, cfg: TrainerConfig, schedule_steps: int | None = None
+                    ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     """AdamW over `param_groups` and its schedule: warm-up, then `cfg.lr_schedule` to `schedule_steps`
     training steps (the run's original trainer.steps; None = `cfg.steps`, a new run).
 
-    `cfg` is the run's `config.TrainerConfig` (not imported: config imports this module). The
+    `cfg` is the run's `config.TrainerConfig` (imported for annotations only: config imports this module). The
     schedule counts optimizer steps: `ppo_epochs x minibatches` of them per training step.
     """
     import torch
@@ -66,7 +72,7 @@ def build_optimizer(model: Any, cfg: Any, schedule_steps: int | None = None) -> 
     return optimizer, scheduler
 
 
-def move_optimizer_state(optimizer: Any, device: Any) -> None:
+def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device | str) -> None:
     """AdamW's moment buffers to `device` (host memory while vLLM generates, back for the update);
     the step counters stay where they are. A no-op when they are there already."""
     for state in optimizer.state.values():

@@ -23,13 +23,16 @@ weights are pushed into woken memory and the check runs on what will sample.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from grpo_cli.config import ModelConfig, RolloutConfig, TrainConfig
 
 if TYPE_CHECKING:
+    import torch
+
     from grpo_cli.dist import Dist
 
 
@@ -239,7 +242,8 @@ class VLLMEngine:
 class HFEngine:
     """transformers `generate` on the trainer's policy itself (no vLLM needed, slower)."""
 
-    def __init__(self, policy: Any, tokenizer: Any, autocast: Any = None) -> None:
+    def __init__(self, policy: torch.nn.Module, tokenizer: Any,
+                 autocast: Callable[[], AbstractContextManager] | None = None) -> None:
         import contextlib
 
         self.policy = policy
@@ -330,7 +334,7 @@ class ShardedEngine:
     share engine e: they submit the same prompts and get the same outputs. Every rank pushes the full
     weights (each tensor-parallel rank loads its part) and runs the push check."""
 
-    def __init__(self, engine: Any, dist: Any, tensor_parallel_size: int = 1) -> None:
+    def __init__(self, engine: VLLMEngine | HFEngine, dist: Dist, tensor_parallel_size: int = 1) -> None:
         self.engine, self.dist, self.tp = engine, dist, tensor_parallel_size
         self.tokenizer = engine.tokenizer
 
@@ -364,12 +368,12 @@ class ShardedEngine:
         self.engine.wake_kv_cache()
 
 
-def sleep_wanted(rollout: RolloutConfig, trainer_device: Any) -> bool:
+def sleep_wanted(rollout: RolloutConfig, trainer_device: torch.device | str) -> bool:
     """rollout.sleep_mode: "auto" sleeps when the trainer is on CUDA too (one GPU, shared)."""
     return {"on": True, "off": False, "auto": str(trainer_device).startswith("cuda")}[rollout.sleep_mode]
 
 
-def build_engine(cfg: TrainConfig, model_path: str, policy: Any, tokenizer: Any, dist: Dist) -> Engine:
+def build_engine(cfg: TrainConfig, model_path: str, policy: torch.nn.Module, tokenizer: Any, dist: Dist) -> Engine:
     """The engine named by rollout.engine on `model_path` (the table keeps the loop free of engine
     branches); at world size > 1, this rank's engine inside a `ShardedEngine`."""
     builders = {

@@ -20,7 +20,10 @@ import os
 import signal
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from grpo_cli.config import DistConfig
 
 # How long the agent waits for the workers after a Ctrl-C (they end the step and checkpoint) or after
 # another worker failed (they are stuck in a collective) before it kills them:
@@ -85,7 +88,7 @@ def share_from_rank0(value: Any) -> Any:
     return box[0]
 
 
-def launch(dist_cfg: Any, argv: list[str]) -> int:
+def launch(dist_cfg: DistConfig, argv: list[str]) -> int:
     """Run `python -m grpo_cli train ARGV` as dist.nproc_per_node workers on this node (of dist.nnodes);
     returns the command's exit code: 0, 130 after Ctrl-C, else the first failed rank's."""
     import uuid

@@ -14,7 +14,10 @@ import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 COLLECTIVE_SECONDS = [0.0]  # time this process has spent in Dist's collectives (the `dist/collective_s` metric)
 
@@ -41,7 +44,7 @@ class Dist:
     rank: int = 0  # this process's index in the job, 0..world_size-1
     world_size: int = 1  # processes in the job
     local_rank: int = 0  # index among the processes on this node (picks the GPU on a CUDA node)
-    device: Any = "cpu"  # torch.device every tensor of the loop is made on
+    device: torch.device | str = "cpu"  # the device every tensor of the loop is made on
 
     @classmethod
     def init(cls, device: str = "cpu") -> Dist:
@@ -70,7 +73,7 @@ class Dist:
             join_job(600)
         return cls(rank=torch_dist.get_rank(), world_size=world_size, local_rank=local_rank, device=chosen)
 
-    def autocast(self, dtype: str) -> Any:
+    def autocast(self, dtype: str) -> contextlib.AbstractContextManager:
         """The forward passes' compute context: bf16/fp16 autocast over fp32 master weights on CUDA;
         nothing on the CPU, where the weights themselves are in `dtype` (float32 by default)."""
         import contextlib

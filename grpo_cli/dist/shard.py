@@ -19,13 +19,16 @@ At world size 1 every function here hands the model back as it is.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+if TYPE_CHECKING:
+    from grpo_cli.dist.ranks import Dist
 
-def fsdp_modules(model: Any) -> list[Any]:
+
+def fsdp_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     from torch.distributed.fsdp import FSDPModule
 
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
@@ -41,11 +44,11 @@ class ShardedLM(torch.nn.Module):
         super().__init__()
         self.module = module
 
-    def forward(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    def forward(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return fn(self.module, *args, **kwargs)
 
 
-def shard_model(model: Any, dist: Any) -> Any:
+def shard_model(model: torch.nn.Module, dist: Dist) -> torch.nn.Module:
     """`model` at world size 1; else the model in FSDP2 groups (one per decoder layer, the rest in
     the root) inside a `ShardedLM` root. Call it through `run_pass`."""
     if dist.world_size == 1:
@@ -73,33 +76,33 @@ def shard_model(model: Any, dist: Any) -> Any:
     return root
 
 
-def unwrap(model: Any) -> Any:
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The Hugging Face model itself (inside its FSDP2 root at world size > 1)."""
     return model.module if isinstance(model, ShardedLM) else model
 
 
-def run_pass(model: Any, fn: Any, *args: Any, **kwargs: Any) -> Any:
+def run_pass(model: torch.nn.Module, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """`fn(hf_model, *args)`, through the FSDP2 root's forward when the model is sharded."""
     if isinstance(model, ShardedLM):
         return model(fn, *args, **kwargs)
     return fn(model, *args, **kwargs)
 
 
-def reshard_all(model: Any) -> None:
+def reshard_all(model: torch.nn.Module) -> None:
     """Free the gathered parameters of every group (after an optimizer step's last backward, or a
     no-grad pass): back to this rank's shard only."""
     for module in fsdp_modules(model):
         module.reshard()
 
 
-def gather_all(model: Any) -> None:
+def gather_all(model: torch.nn.Module) -> None:
     """Gather every group's parameters now (a collective: every rank calls it), so the passes that follow
     need no communication however many each rank runs (generation, a rank's own probes)."""
     for module in fsdp_modules(model):
         module.unshard()
 
 
-def full_tensors(model: Any) -> Iterator[tuple[str, Any]]:
+def full_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, full tensor) for every checkpoint-format tensor of `model`, one at a time: a sharded
     one is gathered from the ranks when it is reached (every rank must iterate, in the same order),
     so at most one extra full tensor exists at once."""
@@ -109,7 +112,7 @@ def full_tensors(model: Any) -> Iterator[tuple[str, Any]]:
         yield name, (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach()
 
 
-def grad_norm_value(norm: Any) -> float:
+def grad_norm_value(norm: torch.Tensor) -> float:
     """clip_grad_norm_'s result as a float (a DTensor over sharded gradients)."""
     from torch.distributed.tensor import DTensor
 

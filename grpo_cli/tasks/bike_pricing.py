@@ -20,6 +20,8 @@ import hashlib
 import random
 from dataclasses import dataclass
 
+from grpo_cli.tasks.draw import draw_distinct
+
 TIERS = (1, 2, 3)
 CHECK_REWARDS = ("correct", "format")  # (correctness, format) rewards, as scripts/make_base_model.py measures
 BIKES = ("city bike", "e-bike", "mountain bike", "road bike", "tandem", "cargo bike")
@@ -255,23 +257,16 @@ def make_problem(rental: Rental, question: str, tier: int) -> Problem:
 
 def _draw_problems(n: int, rng: random.Random, tiers: tuple[int, ...], exclude: set[str]) -> list[Problem]:
     """n problems with questions unseen in `exclude` (which is extended in place)."""
-    tiers = tuple(tiers)
-    if not tiers or any(t not in TIERS for t in tiers):
-        raise ValueError(f"tiers must be a non-empty subset of {TIERS}, got {tiers}")
-    problems: list[Problem] = []
-    attempts = 0
-    while len(problems) < n:
-        attempts += 1
-        if attempts > 50 * n + 1000:
-            raise ValueError(f"only {len(problems)} distinct problems found for tiers {tiers}; ask for fewer")
-        tier = rng.choice(tiers)
+
+    def draw_one(rng: random.Random, tier: int) -> Problem | None:
         rental = draw_rental(rng, tier)
         question = render_question(rental, rng)
         if question in exclude:
-            continue
+            return None
         exclude.add(question)
-        problems.append(make_problem(rental, question, tier))
-    return problems
+        return make_problem(rental, question, tier)
+
+    return draw_distinct(n, rng, tuple(tiers), TIERS, "bike_pricing", draw_one)
 
 
 def generate(n: int, seed: int, tiers=TIERS) -> list[Problem]:

@@ -18,6 +18,8 @@ import hashlib
 import random
 from dataclasses import dataclass
 
+from grpo_cli.tasks.draw import draw_distinct
+
 TIERS = (1, 2, 3)
 DEFAULT_TIERS = (1, 2)  # what the countdown recipe and its shipped model use
 CHECK_REWARDS = ("countdown", "countdown_valid")  # (correctness, format) rewards, as scripts/make_base_model.py measures
@@ -113,28 +115,22 @@ def _draw_problems(n: int, rng: random.Random, tiers: tuple[int, ...], exclude: 
     """n problems whose puzzle (numbers and target) is not in `exclude`; with `unique`, no puzzle twice
     (each drawn one is added to `exclude`). Two numbers make only a few hundred puzzles, so the
     train split repeats them (in varied wording) while the held-out split never shares one."""
-    if not tiers or any(t not in TIERS for t in tiers):
-        raise ValueError(f"tiers must be a non-empty subset of {TIERS} for countdown, got {tiers}")
-    problems: list[Problem] = []
-    attempts = 0
-    while len(problems) < n:
-        attempts += 1
-        if attempts > 50 * n + 1000:
-            raise ValueError(f"only {len(problems)} distinct countdown problems found for tiers {tiers}; ask for fewer")
-        tier = rng.choice(tiers)
+
+    def draw_one(rng: random.Random, tier: int) -> Problem | None:
         drawn = draw(rng, tier)
         if drawn is None:
-            continue
+            return None
         numbers, target, steps, expr = drawn
         key = f"{sorted(numbers)}->{target}"  # the same puzzle in another order or wording is the same puzzle
         if key in exclude:
-            continue
+            return None
         if unique:
             exclude.add(key)
         question = render_question(numbers, target, rng)
-        problems.append(Problem(id=problem_id(question), question=question, numbers=numbers, target=target,
-                                solution="\n".join(steps + [f"Answer: {expr}"]), tier=tier))
-    return problems
+        return Problem(id=problem_id(question), question=question, numbers=numbers, target=target,
+                       solution="\n".join(steps + [f"Answer: {expr}"]), tier=tier)
+
+    return draw_distinct(n, rng, tuple(tiers), TIERS, "countdown", draw_one)
 
 
 def splits(num_train: int, num_heldout: int, seed: int, tiers=DEFAULT_TIERS) -> tuple[list[Problem], list[Problem]]:

@@ -76,3 +76,12 @@ def test_no_function_longer_than_about_80_lines():
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 85:
                 long.append(f"{path.name}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)")
     assert not long, long
+
+
+def test_every_subpackage_ships_in_the_wheel():
+    """pyproject.toml lists the packages by hand: a subpackage missing there is missing from the wheel."""
+    import tomllib
+
+    listed = set(tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {_module_name(p) for p in PACKAGE.rglob("__init__.py")}
+    assert found <= listed, sorted(found - listed)

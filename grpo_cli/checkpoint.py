@@ -104,6 +104,36 @@ def load_policy(path: str, dtype: str) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype), use_safetensors=True)
 
 
+EMBED_SUFFIXES = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight")  # input embeddings a tied lm_head reuses
+
+
+def checkpoint_weights(path: Path | str) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint, in checkpoint format, from safetensors only (never pickle).
+
+    A model with tied embeddings stores no `lm_head.weight`; it is added as the embedding,
+    because the engine's layer-wise reload silently leaves a model half-updated when a key
+    is missing (see VLLMEngine.push_weights).
+    """
+    from safetensors.torch import load_file
+
+    from grpo_cli.errors import UsageError
+
+    path = Path(path)
+
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in sorted(path.glob("*.safetensors")):
+        try:
+            tensors.update(load_file(str(shard)))
+        except Exception as e:
+            raise UsageError(f"'{shard}' is corrupted or truncated (safetensors: {' '.join(str(e).split())})") from None
+    if "lm_head.weight" not in tensors:
+        embed = next((key for key in tensors if key.endswith(EMBED_SUFFIXES)), None)
+        if embed is None:
+            raise UsageError(f"'{path}' has neither lm_head.weight nor an input embedding to tie it to")
+        tensors["lm_head.weight"] = tensors[embed]
+    return tensors
+
+
 TRAINER_STATE = "trainer_state.pt"  # LR schedule, data order, RNG states, AdamW's groups (tensors and plain types)
 OPTIMIZER_DIR = "optimizer"  # AdamW's moments by parameter name, in torch.distributed.checkpoint's format
 STEP_PREFIX = "step_"  # periodic checkpoints are checkpoints/step_000010, ...

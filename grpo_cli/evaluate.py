@@ -38,18 +38,20 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from grpo_cli import runs
 from grpo_cli.config import EvalCommandConfig
 from grpo_cli.errors import UsageError
 from grpo_cli.rewards import WeightedReward, load_rewards, validate_columns
 
+if TYPE_CHECKING:
+    from grpo_cli.rollout import VLLMEngine
+
 # config.json fields that must agree for weights to be pushed into one engine
 ARCH_KEYS = ("architectures", "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
              "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps", "rope_theta",
              "rope_parameters", "rope_scaling", "tie_word_embeddings", "max_position_embeddings")
-EMBED_SUFFIXES = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight")
 
 
 def check_compatible(targets: list[runs.Target]) -> None:
@@ -78,29 +80,6 @@ def check_tokenizers(targets: list[runs.Target], tokenizer: Any) -> None:
         if other.get_vocab() != vocab or other.eos_token_id != tokenizer.eos_token_id:
             raise UsageError(f"'{target.name}' has a different tokenizer from '{targets[0].name}'; checkpoints "
                              "compared in one call must share the architecture and tokenizer (evaluate it separately)")
-
-
-def checkpoint_weights(path: Path) -> dict[str, Any]:
-    """Every tensor of a checkpoint, in checkpoint format, from safetensors only (never pickle).
-
-    A model with tied embeddings stores no `lm_head.weight`; it is added as the embedding,
-    because the engine's layer-wise reload silently leaves a model half-updated when a key
-    is missing (see VLLMEngine.push_weights).
-    """
-    from safetensors.torch import load_file
-
-    tensors: dict[str, Any] = {}
-    for shard in sorted(path.glob("*.safetensors")):
-        try:
-            tensors.update(load_file(str(shard)))
-        except Exception as e:
-            raise UsageError(f"'{shard}' is corrupted or truncated (safetensors: {' '.join(str(e).split())})") from None
-    if "lm_head.weight" not in tensors:
-        embed = next((key for key in tensors if key.endswith(EMBED_SUFFIXES)), None)
-        if embed is None:
-            raise UsageError(f"'{path}' has neither lm_head.weight nor an input embedding to tie it to")
-        tensors["lm_head.weight"] = tensors[embed]
-    return tensors
 
 
 # ---------------------------------------------------------------------------
@@ -136,8 +115,10 @@ def _write_atomically(path: Path, text: str) -> None:
 # the command
 
 
-def run(cfg: EvalCommandConfig, run_dir: Path | None = None) -> int:
-    """`grpo eval`: resolve and check every checkpoint, evaluate them on one engine, print, then write."""
+def run(cfg: EvalCommandConfig, run_dir: Path | None = None, engine: VLLMEngine | None = None) -> int:
+    """`grpo eval`: resolve and check every checkpoint, evaluate them on one engine, print, then write.
+    `engine`: a vLLM engine already serving this architecture (a notebook's, a test's); every checkpoint's
+    weights are pushed into it, the first's too, instead of one starting."""
     from grpo_cli import data
     from grpo_cli.runtime import quiet_third_party
 
@@ -158,7 +139,7 @@ def run(cfg: EvalCommandConfig, run_dir: Path | None = None) -> int:
     reward_fns = load_rewards(cfg.rewards)
     validate_columns(rows, reward_fns)
 
-    results, all_samples = evaluate_targets(cfg, targets, rows, reward_fns, the_run, samples_path is not None)
+    results, all_samples = evaluate_targets(cfg, targets, rows, reward_fns, the_run, samples_path is not None, engine)
     print_table(cfg, targets, results)
     payload: Any = results[0] if len(results) == 1 else {"checkpoints": results}
     _write_atomically(out_path, json.dumps(payload, indent=2) + "\n")
@@ -172,13 +153,15 @@ def run(cfg: EvalCommandConfig, run_dir: Path | None = None) -> int:
 
 def evaluate_targets(cfg: EvalCommandConfig, targets: list[runs.Target], rows: list[dict[str, Any]],
                      reward_fns: list[WeightedReward], the_run: Path | None,
-                     keep_samples: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+                     keep_samples: bool, engine: VLLMEngine | None = None
+                     ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Every checkpoint's held-out metrics on one vLLM engine (each next one's weights pushed into it),
     with the same per-problem seeds; also every sample when `keep_samples`."""
-    from grpo_cli.checkpoint import load_tokenizer
+    from grpo_cli import rollout
+    from grpo_cli.checkpoint import checkpoint_weights, load_tokenizer
     from grpo_cli.heldout import HeldoutSet, greedy_accuracy, heldout_metrics
     from grpo_cli.prompts import render_row
-    from grpo_cli.rollout import Sampling, VLLMEngine, sample_seeds
+    from grpo_cli.rollout import Sampling, sample_seeds
     from grpo_cli.runtime import cpu_threads, set_threads
 
     set_threads(cpu_threads(cfg.trainer.threads))  # before the engine starts
@@ -192,13 +175,15 @@ def evaluate_targets(cfg: EvalCommandConfig, targets: list[runs.Target], rows: l
     seeds = sample_seeds(cfg.trainer.seed, 0, len(rows), stream=1)  # the run's step-0 held-out seeds
     print(f"grpo eval: {cfg.task} | {len(rows)} held-out problems x {k} samples at T={cfg.eval.temperature:g} | "
           f"{len(targets)} checkpoint(s)" + (f" | recipe of run {the_run}" if the_run else ""), flush=True)
-    print(f"grpo eval: starting the vLLM engine on {targets[0].path}", flush=True)
-    engine = VLLMEngine(str(targets[0].path), cfg.model, cfg.rollout, cfg.trainer.seed,
-                        show_progress=cfg.logging.verbose_libraries)
+    pushed = engine is not None  # a given engine takes every checkpoint's weights, the first's too
+    if engine is None:
+        print(f"grpo eval: starting the vLLM engine on {targets[0].path}", flush=True)
+        engine = rollout.VLLMEngine(str(targets[0].path), cfg.model, cfg.rollout, cfg.trainer.seed,
+                                    show_progress=cfg.logging.verbose_libraries)
     results, all_samples = [], []
     for i, target in enumerate(targets):
         tick = time.time()
-        if i > 0:
+        if i > 0 or pushed:
             engine.push_weights(checkpoint_weights(target.path).items())
         samples: list[dict[str, Any]] | None = [] if keep_samples else None
         metrics = heldout_metrics(engine, heldout, sampling, seeds, samples=samples)

@@ -175,10 +175,11 @@ class RunState:
     history: list[dict[str, Any]] = field(default_factory=list)  # every step's metrics, for the summary
 
 
-def start_run(cfg: TrainConfig, task: Task, run_dir: Path) -> RunState:
+def start_run(cfg: TrainConfig, task: Task, run_dir: Path, engine: Engine | None = None) -> RunState:
     """This process's place in the job, the start point, the models and the engine, the optimizer and the
-    prompt cursor, with a resumed run's trainer state put back."""
-    from grpo_cli.checkpoint import load_policy, restore_trainer_state
+    prompt cursor, with a resumed run's trainer state put back. A given `engine` (one process only)
+    takes the start point's weights instead of a new one starting."""
+    from grpo_cli.checkpoint import checkpoint_weights, load_policy, restore_trainer_state
     from grpo_cli.collect import PromptCursor
     from grpo_cli.dist import Dist
     from grpo_cli.dist.shard import shard_model
@@ -197,7 +198,10 @@ def start_run(cfg: TrainConfig, task: Task, run_dir: Path) -> RunState:
     if cfg.trainer.kl_coef > 0:  # frozen: stored in the compute dtype itself
         reference = shard_model(load_policy(task.model_path, cfg.model.dtype).to(dist.device).eval()
                                 .requires_grad_(False), dist)
-    engine = build_engine(cfg, start.path, policy, task.tokenizer, dist)
+    if engine is None:
+        engine = build_engine(cfg, start.path, policy, task.tokenizer, dist)
+    else:
+        engine.push_weights(checkpoint_weights(start.path).items())
     optimizer, scheduler = build_optimizer(policy, cfg.trainer, start.schedule_steps)
     heldout = HeldoutSet.build(task.heldout_rows[: cfg.eval.num_problems], task.encode, task.reward_fns, cfg.data)
     state = RunState(task, dist, run_dir, start, policy, reference, engine, optimizer, scheduler,

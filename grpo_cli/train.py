@@ -25,12 +25,16 @@ from grpo_cli.config import TrainConfig
 if TYPE_CHECKING:
     from grpo_cli.collect import Groups
     from grpo_cli.dist import Dist
+    from grpo_cli.rollout import Engine
     from grpo_cli.setup import RunState, Start
 
 log = logging.getLogger("grpo_cli.train")
 
 
-def run(cfg: TrainConfig, run_dir: Path) -> int:
+def run(cfg: TrainConfig, run_dir: Path, engine: Engine | None = None) -> int:
+    """Train; returns the exit code (0, or 130 after Ctrl-C). `engine`: a vLLM engine already serving this
+    model's architecture (a notebook's, a test's), which takes the start point's weights instead of a new
+    engine starting (tens of seconds on a CPU)."""
     from grpo_cli.runtime import quiet_third_party
 
     quiet_third_party(cfg.logging.verbose_libraries)  # before vLLM/datasets/transformers are imported
@@ -45,7 +49,7 @@ def run(cfg: TrainConfig, run_dir: Path) -> int:
 
     task = preflight(cfg)  # data, rewards, model files, prompt lengths: before any model loads
     setup_torch(cfg.trainer)
-    state = start_run(cfg, task, run_dir)  # models, engine, optimizer, cursor; a resume's state put back
+    state = start_run(cfg, task, run_dir, engine)  # models, engine, optimizer, cursor; a resume's state put back
     t_cfg, params, started, exit_code = cfg.trainer, loss_params(cfg), time.time(), 0
     out = RunOutput(cfg, run_dir, state.history, state.dist)  # metrics.jsonl (+ wandb), the console, warnings
     stop = GracefulStop()  # Ctrl-C: finish the step, checkpoint, exit 130; a second one exits at once

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from grpo_cli import evaluate, heldout
+from grpo_cli import heldout
+from grpo_cli.checkpoint import checkpoint_weights
 from grpo_cli.config import DataConfig
 from grpo_cli.heldout import HeldoutSet, answer_key, majority_vote, pass_at_k, summarise
 from grpo_cli.rollout import Sampling
@@ -157,11 +158,11 @@ def test_checkpoint_weights_add_the_tied_lm_head(tmp_path):
     from safetensors.torch import save_file
 
     _fake_model(tmp_path / "m")
-    weights = evaluate.checkpoint_weights(tmp_path / "m")
+    weights = checkpoint_weights(tmp_path / "m")
     assert torch.equal(weights["lm_head.weight"], weights["model.embed_tokens.weight"])
     save_file({"model.embed_tokens.weight": torch.zeros(4, 2), "lm_head.weight": torch.ones(4, 2)},
               str(tmp_path / "m" / "model.safetensors"))
-    assert torch.equal(evaluate.checkpoint_weights(tmp_path / "m")["lm_head.weight"], torch.ones(4, 2))
+    assert torch.equal(checkpoint_weights(tmp_path / "m")["lm_head.weight"], torch.ones(4, 2))
 
 
 # ---------------------------------------------------------------------------

@@ -94,3 +94,36 @@ def tiny_chat_model_dir(tmp_path_factory, tiny_model_dir) -> Path:
     tokenizer.chat_template = CHATML_TEMPLATE
     tokenizer.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def shipped_weights(shipped_model_dir):
+    """The shipped model's tensors, as a push gives them to the engine."""
+    from grpo_cli.checkpoint import checkpoint_weights
+
+    return checkpoint_weights(shipped_model_dir)
+
+
+@pytest.fixture(scope="session")
+def trained_run(tmp_path_factory, vllm_engine, shipped_weights):
+    """ONE short real run of the default recipe for the session, in this process on the session's vLLM
+    engine (no engine start): 4 steps, a push check every step, held-out evaluations at steps 0, 2 and
+    4, resumable checkpoints at steps 2 and 4 (final) and best. Returns (config, run directory); the
+    engine holds the shipped weights again afterwards."""
+    from grpo_cli import train
+    from grpo_cli.cli import load_config
+
+    out = tmp_path_factory.mktemp("trained")
+    cfg = load_config("train", TRAINED_RUN_OVERRIDES + [f"output_dir={out}"])
+    run_dir = out / "run"
+    try:
+        assert train.run(cfg, run_dir, engine=vllm_engine) == 0
+    finally:
+        vllm_engine.push_weights(shipped_weights.items())
+    return cfg, run_dir
+
+
+# The trained_run fixture's command line: `grpo train` with these overrides does the same in a subprocess.
+TRAINED_RUN_OVERRIDES = ["recipe=bike_pricing", "trainer.steps=4", "rollout.prompts_per_step=4",
+                         "rollout.group_size=4", "eval.num_problems=16", "eval.every=2", "checkpoint.every=2",
+                         "rollout.push_check_every=1", "trainer.lr=1e-3", "logging.samples_every=2"]

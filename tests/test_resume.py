@@ -64,15 +64,34 @@ def workdir(tmp_path_factory, tiny_model_dir):
     return root
 
 
+@pytest.fixture
+def in_workdir(workdir, monkeypatch):
+    """In-process runs see the reward module as a subprocess in `workdir` would."""
+    monkeypatch.chdir(workdir)
+    monkeypatch.syspath_prepend(str(workdir))
+    return workdir
+
+
 def args(workdir: Path, out: str, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "grpo_cli", "train", "recipe=bike_pricing", f"output_dir={workdir / out}",
-            f"model.name_or_path={workdir / 'tiny'}", "rollout.prompts_per_step=2", "rollout.group_size=4",
-            "rollout.max_new_tokens=16", "eval.num_problems=4", "eval.every=2", "trainer.lr=1e-3",
-            "rewards=[{name:test_rewards_mod:digit_share}]", "rollout.push_check_every=0", *extra]
+    """`grpo train` on the tiny model with the transformers engine and a graded reward: a real gradient at
+    every step, about a second each."""
+    return ["train", "recipe=bike_pricing", f"output_dir={workdir / out}", f"model.name_or_path={workdir / 'tiny'}",
+            "rollout.engine=hf", "rollout.prompts_per_step=2", "rollout.group_size=4", "rollout.max_new_tokens=16",
+            "eval.num_problems=4", "eval.every=2", "trainer.lr=1e-3", "rewards=[{name:test_rewards_mod:digit_share}]",
+            "rollout.push_check_every=0", "data.num_train=200", "data.num_heldout=20", *extra]
 
 
-def run(workdir: Path, out: str, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run(args(workdir, out, *extra), cwd=workdir, capture_output=True, text=True, timeout=600)
+def run(capsys, workdir: Path, out: str, *extra: str) -> tuple[int, str, str]:
+    """`grpo train` in this process (as `python -m grpo_cli` would run it): (exit code, stdout, stderr)."""
+    from grpo_cli.cli import main
+
+    capsys.readouterr()
+    try:
+        code = main(args(workdir, out, *extra))
+    except SystemExit as e:
+        code = e.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
 
 
 def only_run_dir(workdir: Path, out: str) -> Path:
@@ -108,53 +127,79 @@ MENU = ("trainer.ppo_epochs=2", "trainer.minibatches=2", "rollout.dynamic_sampli
         "trainer.mismatch_correction=tis", "trainer.kl_in_reward=true", "trainer.entropy_coef=0.01")
 
 
-@pytest.mark.parametrize("menu", [(), MENU], ids=["default", "menu"])
-def test_resume_after_sigkill_gives_the_same_weights(workdir, menu):
-    from safetensors.torch import load_file
-
-    straight_dir, killed = f"straight_{len(menu)}", f"killed_{len(menu)}"
-    straight = run(workdir, straight_dir, "trainer.steps=4", *menu)
-    assert straight.returncode == 0, straight.stderr[-2000:]
-
-    proc = subprocess.Popen(args(workdir, killed, "trainer.steps=4", "checkpoint.every=2", *menu), cwd=workdir,
+def kill_at_step_2(workdir: Path, out: str, *extra: str) -> Path:
+    """`python -m grpo_cli train ...` SIGKILLed once its step-2 checkpoint is complete; its run directory."""
+    proc = subprocess.Popen([sys.executable, "-m", "grpo_cli", *args(workdir, out, *extra)], cwd=workdir,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 600
-    marker = None
-    while time.time() < deadline and proc.poll() is None:
-        found = list((workdir / killed).glob("bike_pricing/*/checkpoints/step_000002/checkpoint.json"))
-        if found:
-            marker = found[0]
-            break
-        time.sleep(0.2)
+    deadline, marker = time.time() + 600, None
+    while time.time() < deadline and proc.poll() is None and marker is None:
+        marker = next(iter((workdir / out).glob("bike_pricing/*/checkpoints/step_000002/checkpoint.json")), None)
+        time.sleep(0.1)
     assert marker is not None, "no checkpoint at step 2 appeared"
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert proc.returncode == -signal.SIGKILL
     assert not (marker.parents[1] / "final").exists()
+    return marker.parents[2]
 
-    resumed = run(workdir, killed, "trainer.steps=4", "checkpoint.every=2", "resume=auto", *menu)
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
+
+@pytest.mark.parametrize("menu", [(), MENU], ids=["default", "menu"])
+def test_resume_after_sigkill_gives_the_same_weights(in_workdir, capsys, menu):
+    from safetensors.torch import load_file
+
+    workdir = in_workdir
+    straight_dir, killed = f"straight_{len(menu)}", f"killed_{len(menu)}"
+    code, _, err = run(capsys, workdir, straight_dir, "trainer.steps=4", *menu)
+    assert code == 0, err[-2000:]
+    run_dir = kill_at_step_2(workdir, killed, "trainer.steps=4", "checkpoint.every=2", *menu)
+    code, _, err = run(capsys, workdir, killed, "trainer.steps=4", "checkpoint.every=2", "resume=auto", *menu)
+    assert code == 0, err[-2000:]
     a = load_file(only_run_dir(workdir, straight_dir) / "checkpoints" / "final" / "model.safetensors")
-    b = load_file(only_run_dir(workdir, killed) / "checkpoints" / "final" / "model.safetensors")
+    b = load_file(run_dir / "checkpoints" / "final" / "model.safetensors")
     assert a.keys() == b.keys()
     assert all(a[k].equal(b[k]) for k in a)  # bit-exact
-    steps = [json.loads(line)["step"] for line in
-             (only_run_dir(workdir, killed) / "metrics.jsonl").read_text().splitlines()]
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert steps == [0, 1, 2, 3, 4]  # steps logged after the checkpoint were replayed, not duplicated
     if menu:
         return  # the refusals below do not depend on the loss
 
-    again = run(workdir, killed, "trainer.steps=4", "resume=auto")
-    assert again.returncode == 2
-    assert "nothing to resume" in again.stderr and "trainer.steps" in again.stderr
+    code, _, err = run(capsys, workdir, killed, "trainer.steps=4", "resume=auto")
+    assert code == 2 and "nothing to resume" in err and "trainer.steps" in err
+    code, _, err = run(capsys, workdir, killed, "trainer.steps=4", "trainer.lr=5e-3", "resume=auto")
+    assert code == 2 and "trainer.lr (0.001 -> 0.005)" in err
 
-    changed = run(workdir, killed, "trainer.steps=6", "trainer.lr=5e-3", "resume=auto")
-    assert changed.returncode == 2 and "trainer.lr" in changed.stderr
+
+def test_a_vllm_run_resumes_bit_exactly(trained_run, vllm_engine, shipped_weights, tmp_path):
+    """The session's real vLLM run (conftest.trained_run), resumed from its step-2 checkpoint as a crash
+    would leave it: the same final weights and the same logged values at steps 3 and 4."""
+    import dataclasses
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from grpo_cli import train
+
+    cfg, run_dir = trained_run
+    copy = tmp_path / "bike_pricing" / "crashed"
+    shutil.copytree(run_dir, copy, ignore=shutil.ignore_patterns("final", "best", "metrics.png"))
+    resumed_cfg = dataclasses.replace(cfg, resume=str(copy), output_dir=str(tmp_path))
+    try:
+        assert train.run(resumed_cfg, copy, engine=vllm_engine) == 0
+    finally:
+        vllm_engine.push_weights(shipped_weights.items())
+    a = load_file(run_dir / "checkpoints" / "final" / "model.safetensors")
+    b = load_file(copy / "checkpoints" / "final" / "model.safetensors")
+    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+    wall_clock = ("time/", "elapsed_s", "tokens_per_s", "memory/")
+    logged = [[{k: v for k, v in json.loads(line).items() if not any(w in k for w in wall_clock)}
+               for line in (d / "metrics.jsonl").read_text().splitlines()] for d in (run_dir, copy)]
+    assert logged[0] == logged[1] and [m["step"] for m in logged[1]] == [0, 1, 2, 3, 4]
 
 
 def test_ctrl_c_checkpoints_and_exits_130(workdir):
-    proc = subprocess.Popen(args(workdir, "interrupted", "trainer.steps=200", "checkpoint.every=0"), cwd=workdir,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "grpo_cli", *args(workdir, "interrupted", "trainer.steps=200",
+                                                                   "checkpoint.every=0")],
+                            cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 600
     while time.time() < deadline:
         metrics = list((workdir / "interrupted").glob("bike_pricing/*/metrics.jsonl"))
@@ -186,28 +231,31 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
         (["model.name_or_path=/nonexistent/ckpt"], "model.name_or_path: model '/nonexistent/ckpt' does not exist", 2),
         (["rewards=[{name:test_rewards_mod:nope}]"], "nope", 2),
         # failures during the run: exit 1
-        (["rewards=[{name:test_rewards_mod:boom}]", "rollout.engine=hf"], "failed on 8 of 8 samples at step 1", 1),
-        (["rewards=[{name:test_rewards_mod:too_few}]", "rollout.engine=hf"], "returned 1 values for 4 completions", 1),
-        (["rewards=[{name:test_rewards_mod:nan_always}]", "rollout.engine=hf"], "not a finite number", 1),
+        (["rewards=[{name:test_rewards_mod:boom}]"], "failed on 8 of 8 samples at step 1", 1),
+        (["rewards=[{name:test_rewards_mod:too_few}]"], "returned 1 values for 4 completions", 1),
+        (["rewards=[{name:test_rewards_mod:nan_always}]"], "not a finite number", 1),
         # a reward that hangs is killed after timeout_s and stops the run in bounded time;
         # one that returns 3 values for a group of 4 names the function and the samples
-        (["rewards=[{name:test_rewards_mod:sleeps,timeout_s:1}]", "rollout.engine=hf"],
+        (["rewards=[{name:test_rewards_mod:sleeps,timeout_s:1}]"],
          "'test_rewards_mod:sleeps' failed on 8 of 8 samples at step 1: samples 4-7: timed out after 1 s", 1),
-        (["rewards=[{name:test_rewards_mod:three_values}]", "rollout.engine=hf"],
+        (["rewards=[{name:test_rewards_mod:three_values}]"],
          "'test_rewards_mod:three_values' failed on 8 of 8 samples at step 1: samples 4-7: returned 3 values for 4", 1),
-        (["rewards=[{name:test_rewards_mod:huge}]", "trainer.advantage=group_mean", "rollout.engine=hf",
-          "trainer.steps=4"], "steps in a row had a non-finite loss or gradient", 1),
+        (["rewards=[{name:test_rewards_mod:huge}]", "trainer.advantage=group_mean", "trainer.steps=4"],
+         "steps in a row had a non-finite loss or gradient", 1),
     ],
 )
-def test_bad_input_is_one_line(workdir, extra, message, code):
-    out = run(workdir, "bad", "trainer.steps=2", *extra)
-    assert out.returncode == code, out.stderr[-2000:]
-    assert "Traceback" not in out.stderr
-    assert out.stderr.strip().splitlines()[-1].startswith("grpo train: error: ")
-    assert message in out.stderr.strip().splitlines()[-1]
+def test_bad_input_is_one_line(in_workdir, capsys, tmp_path, extra, message, code):
+    got, _, err = run(capsys, in_workdir, str(tmp_path / "bad"), "trainer.steps=2", "eval.every=0", *extra)
+    assert got == code, err[-2000:]
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("grpo train: error: ")
+    assert message in err.strip().splitlines()[-1]
+    if code == 1:  # a failure during the run: its traceback is in the run's log
+        (log,) = (tmp_path / "bad" / "bike_pricing").glob("*/train.log")
+        assert "Traceback" in log.read_text()
 
 
-def test_bad_data_files(workdir, tmp_path):
+def test_bad_data_files(in_workdir, capsys, tmp_path):
     missing_answer = write_jsonl(tmp_path / "no_answer.jsonl", [{"question": f"q{i}"} for i in range(20)])
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
@@ -216,28 +264,30 @@ def test_bad_data_files(workdir, tmp_path):
           "rewards=[{name:correct}]"], "answer"),
         ([f"data.source={empty}"], "empty"),
     ]
-    for extra, message in cases:
-        out = run(workdir, "bad_data", "trainer.steps=2", *extra)
-        assert out.returncode == 2, out.stderr[-2000:]
-        line = out.stderr.strip().splitlines()[-1]
+    for i, (extra, message) in enumerate(cases):
+        code, _, err = run(capsys, in_workdir, str(tmp_path / f"bad_data_{i}"), "trainer.steps=2", *extra)
+        assert code == 2, err[-2000:]
+        line = err.strip().splitlines()[-1]
         assert line.startswith("grpo train: error: ") and message in line, line
 
 
-def test_a_few_failing_samples_score_zero_and_are_counted(workdir):
-    out = run(workdir, "sometimes", "trainer.steps=1", "rollout.engine=hf",
-              "rewards=[{name:test_rewards_mod:nan_sometimes}]")
-    assert out.returncode == 0, out.stderr[-2000:]
-    metrics = [json.loads(line) for line in (only_run_dir(workdir, "sometimes") / "metrics.jsonl").read_text()
+def test_a_few_failing_samples_score_zero_and_are_counted(in_workdir, capsys):
+    code, _, err = run(capsys, in_workdir, "sometimes", "trainer.steps=1",
+                       "rewards=[{name:test_rewards_mod:nan_sometimes}]")
+    assert code == 0, err[-2000:]
+    metrics = [json.loads(line) for line in (only_run_dir(in_workdir, "sometimes") / "metrics.jsonl").read_text()
                .splitlines()]
     # one NaN in each group's call (2 groups of 4), scored 0, the run went on
     assert metrics[-1]["reward/failures"] == 2 and metrics[-1]["reward_failures/test_rewards_mod:nan_sometimes"] == 2
 
 
-def test_a_reward_that_crashes_on_some_samples_drops_them_from_the_loss(workdir):
-    out = run(workdir, "drop", "trainer.steps=2", "rollout.engine=hf",
-              "rewards=[{name:test_rewards_mod:digit_share,correctness:true},{name:test_rewards_mod:raises_sometimes,on_failure:drop}]")
-    assert out.returncode == 0, out.stderr[-2000:]
-    metrics = [json.loads(line) for line in (only_run_dir(workdir, "drop") / "metrics.jsonl").read_text().splitlines()]
+def test_a_reward_that_crashes_on_some_samples_drops_them_from_the_loss(in_workdir, capsys):
+    code, _, err = run(capsys, in_workdir, "drop", "trainer.steps=2",
+                       "rewards=[{name:test_rewards_mod:digit_share,correctness:true},"
+                       "{name:test_rewards_mod:raises_sometimes,on_failure:drop}]")
+    assert code == 0, err[-2000:]
+    metrics = [json.loads(line) for line in (only_run_dir(in_workdir, "drop") / "metrics.jsonl").read_text()
+               .splitlines()]
     metrics = [m for m in metrics if "reward/dropped" in m]  # the training steps (step 0 is the baseline eval)
     assert len(metrics) == 2
     for m in metrics:
@@ -246,22 +296,25 @@ def test_a_reward_that_crashes_on_some_samples_drops_them_from_the_loss(workdir)
     assert 0 < sum(m["reward/dropped"] for m in metrics) < 16
 
 
-def test_a_truncated_model_file_is_named_in_one_line(workdir, tmp_path):
+def test_a_truncated_model_file_is_named_in_one_line(in_workdir, capsys, tmp_path):
     import shutil
 
+    from grpo_cli.cli import main
+
     damaged = tmp_path / "damaged"
-    shutil.copytree(workdir / "tiny", damaged)
+    shutil.copytree(in_workdir / "tiny", damaged)
     weights = damaged / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # an interrupted copy
-    out = run(workdir, "damaged", "trainer.steps=2", f"model.name_or_path={damaged}")
-    assert out.returncode == 2, out.stderr[-2000:]
-    line = out.stderr.strip().splitlines()[-1]
-    assert "Traceback" not in out.stderr
+    code, _, err = run(capsys, in_workdir, str(tmp_path / "damaged_run"), "trainer.steps=2",
+                       f"model.name_or_path={damaged}")
+    assert code == 2, err[-2000:]
+    line = err.strip().splitlines()[-1]
+    assert "Traceback" not in err
     assert f"'{weights}' is corrupted or truncated" in line and "cut short" in line, line
-    evaluated = subprocess.run([sys.executable, "-m", "grpo_cli", "eval", f"checkpoint={damaged}",
-                                "recipe=bike_pricing"], cwd=workdir, capture_output=True, text=True, timeout=300)
-    assert evaluated.returncode == 2, evaluated.stderr[-2000:]
-    assert f"'{weights}' is corrupted or truncated" in evaluated.stderr.strip().splitlines()[-1]
+    with pytest.raises(SystemExit) as stopped:
+        main(["eval", f"checkpoint={damaged}", "recipe=bike_pricing"])
+    assert stopped.value.code == 2
+    assert f"'{weights}' is corrupted or truncated" in capsys.readouterr().err.strip().splitlines()[-1]
 
 
 def tiny_run_config(tmp_path: Path, tiny_model_dir: Path, *extra: str):
@@ -329,24 +382,3 @@ def test_pruning_counts_only_complete_checkpoints(tmp_path, tiny_model_dir):
     prune_checkpoints(tmp_path, keep_last=1)
     assert sorted(p.name for p in root.iterdir()) == ["step_000002", "step_000002.old-4242", "step_000003.tmp-4242"]
     assert [p.name for p in step_checkpoints(tmp_path)] == ["step_000002"]
-
-
-def test_a_reward_that_fails_mid_run_stops_it_with_exit_1(tmp_path, tiny_model_dir, monkeypatch, capsys):
-    """A failure during the run is not a usage error: one line naming the function and the step, exit 1
-    (2 is for bad input, found before any model loads), the traceback in the run's log."""
-    from grpo_cli.cli import main
-
-    (tmp_path / "midrun_rewards.py").write_text(REWARD_MODULE)
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    with pytest.raises(SystemExit) as stopped:
-        main(["train", "recipe=bike_pricing", f"model.name_or_path={tiny_model_dir}", f"output_dir={tmp_path / 'runs'}",
-              "rollout.engine=hf", "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=8",
-              "eval.num_problems=2", "eval.every=0", "data.num_train=50", "data.num_heldout=10", "trainer.steps=2",
-              "rewards=[{name:midrun_rewards:boom,timeout_s:null}]"])
-    assert stopped.value.code == 1
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert lines[-1] == ("grpo train: error: reward function 'midrun_rewards:boom' failed on 4 of 4 samples at step 1: "
-                         "sample 3: raised ValueError: boom")
-    (log,) = (tmp_path / "runs" / "bike_pricing").glob("*/train.log")
-    assert "Traceback" in log.read_text()

@@ -6,15 +6,12 @@ recipe's reward case file through `grpo reward`.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures"
-GRPO = [sys.executable, "-m", "grpo_cli"]
 
 
 def recipes() -> list[str]:
@@ -26,49 +23,61 @@ def test_every_recipe_ships_a_case_file():
     assert not missing, f"recipes without recipes/NAME_cases.jsonl: {missing}"
 
 
+def grpo_reward(capsys, *args: str) -> tuple[int, str]:
+    """`grpo reward ...` in this process: (exit code, stdout)."""
+    from grpo_cli.cli import main
+
+    capsys.readouterr()
+    try:
+        code = main(["reward", *args])
+    except SystemExit as e:
+        code = e.code
+    return code, capsys.readouterr().out
+
+
 @pytest.mark.parametrize("recipe", recipes())
-def test_the_recipes_cases_pass_through_grpo_reward(recipe):
+def test_the_recipes_cases_pass_through_grpo_reward(recipe, capsys):
     cases = REPO / "recipes" / f"{recipe}_cases.jsonl"
-    out = subprocess.run([*GRPO, "reward", f"recipe={recipe}", f"cases={cases}"], capture_output=True, text=True,
-                         timeout=300, cwd=REPO)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    code, out = grpo_reward(capsys, f"recipe={recipe}", f"cases={cases}")
+    assert code == 0, out[-3000:]
     lines = [json.loads(line) for line in cases.read_text().splitlines() if line.strip()]
     assert len(lines) >= 6 and all("expected" in c for c in lines)
-    assert f"{len(lines)} cases: {len(lines)} passed, 0 failed" in out.stdout
+    assert f"{len(lines)} cases: {len(lines)} passed, 0 failed" in out
 
 
 @pytest.mark.parametrize("recipe", ["gsm8k", "math", "countdown"])
-def test_a_wrong_expectation_fails_grpo_reward(recipe, tmp_path):
+def test_a_wrong_expectation_fails_grpo_reward(recipe, tmp_path, capsys):
     cases = [json.loads(line) for line in (REPO / "recipes" / f"{recipe}_cases.jsonl").read_text().splitlines()]
     first = cases[0]
     name, value = next(iter(first["expected"].items()))
     first["expected"] = {name: 1 - value}  # flip one expectation
     path = tmp_path / "cases.jsonl"
     path.write_text("".join(json.dumps(c) + "\n" for c in [first, *cases[1:]]))
-    out = subprocess.run([*GRPO, "reward", f"recipe={recipe}", f"cases={path}"], capture_output=True, text=True,
-                         timeout=300, cwd=REPO)
-    assert out.returncode == 1, out.stdout[-3000:]
-    assert f"{len(cases) - 1} passed, 1 failed" in out.stdout
+    code, out = grpo_reward(capsys, f"recipe={recipe}", f"cases={path}")
+    assert code == 1, out[-3000:]
+    assert f"{len(cases) - 1} passed, 1 failed" in out
 
 
-def _train(tmp_path: Path, recipe: str, *extra: str) -> tuple[subprocess.CompletedProcess, Path]:
-    out_dir = tmp_path / "runs"
-    result = subprocess.run(
-        [*GRPO, "train", f"recipe={recipe}", f"output_dir={out_dir}", "model.dtype=float32",
-         "rollout.prompts_per_step=2", "rollout.group_size=4", "rollout.max_new_tokens=24", "trainer.steps=2",
-         "trainer.lr=1e-3", "eval.every=2", "checkpoint.every=2", *extra],
-        capture_output=True, text=True, timeout=600, cwd=REPO)
-    runs = list((out_dir / recipe).iterdir()) if (out_dir / recipe).is_dir() else []
-    return result, runs[0] if len(runs) == 1 else out_dir
+def _train(tmp_path: Path, recipe: str, *extra: str) -> Path:
+    """The recipe for two steps in this process, on the transformers engine (a small chat model whose
+    prompts are the recipe's own); returns the run directory."""
+    from grpo_cli import train
+    from grpo_cli.cli import load_config
+
+    cfg = load_config("train", [f"recipe={recipe}", f"output_dir={tmp_path}", "model.dtype=float32",
+                                "rollout.engine=hf", "rollout.prompts_per_step=2", "rollout.group_size=4",
+                                "rollout.max_new_tokens=24", "trainer.steps=2", "trainer.lr=1e-3", "eval.every=2",
+                                "checkpoint.every=2", *extra])
+    assert train.run(cfg, tmp_path / "run") == 0
+    return tmp_path / "run"
 
 
 @pytest.mark.slow
 def test_gsm8k_recipe_runs_on_local_rows_with_math_verify_and_a_chat_template(tmp_path, tiny_chat_model_dir):
-    result, run_dir = _train(
+    run_dir = _train(
         tmp_path, "gsm8k", f"model.name_or_path={tiny_chat_model_dir}",
         f"data.source={FIXTURES / 'gsm8k_train.jsonl'}", f"data.heldout_source={FIXTURES / 'gsm8k_test.jsonl'}",
         "data.num_heldout=8", "eval.num_problems=8", "rollout.push_check_every=1")
-    assert result.returncode == 0, result.stderr[-3000:]
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in metrics if "reward/math_equal" in m]
     assert [m["step"] for m in steps] == [1, 2]
@@ -90,10 +99,9 @@ def test_gsm8k_recipe_runs_on_local_rows_with_math_verify_and_a_chat_template(tm
 
 @pytest.mark.slow
 def test_math_recipe_runs_on_local_rows_with_boxed_answers(tmp_path, tiny_chat_model_dir):
-    result, run_dir = _train(
+    run_dir = _train(
         tmp_path, "math", f"model.name_or_path={tiny_chat_model_dir}", f"data.source={FIXTURES / 'math.jsonl'}",
-        "data.num_heldout=4", "eval.num_problems=4", "rollout.engine=hf")
-    assert result.returncode == 0, result.stderr[-3000:]
+        "data.num_heldout=4", "eval.num_problems=4")
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics if "reward/math_equal" in m] == [1, 2]
     assert all(m.get("reward/failures", 0) == 0 for m in metrics)

@@ -1,11 +1,13 @@
-"""One update on a fixed synthetic batch, at whatever world size torchrun gives (or 1 without it);
-rank 0 saves the full weights and the stats to argv[1]. argv[2] is trainer.micro_batch_size, argv[3]
-trainer.loss, argv[4] "kl_in_reward" to fold the KL into the rewards.
+"""One update on a fixed synthetic batch for each loss variant, at whatever world size torchrun gives;
+rank 0 saves the full weights and the stats of each variant to argv[1]/VARIANT.pt. argv[2] is
+trainer.micro_batch_size, argv[3:] the variants (VARIANTS' keys).
 
-Used by tests/test_distributed.py: 1 rank, 2 ranks and different micro-batch caps must give the
-same weights (the loss and gradient do not depend on how the batch is split)."""
+Used by tests/test_distributed.py: 1 rank (in the test's own process, `update_once`), 2 ranks and
+different micro-batch caps must give the same weights (the loss and gradient do not depend on how
+the batch is split)."""
 
 import sys
+from pathlib import Path
 
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -29,9 +31,18 @@ def tiny(seed):
     return Qwen2ForCausalLM(config)
 
 
-def main(out_path, micro_batch_size, loss, kl_in_reward):
-    torch.set_num_threads(1)
-    dist = Dist.init("cpu")
+# The variants: trainer.* overrides on top of the default loss. seq_mask's band rejects some samples of
+# this batch (the tiny model's logprobs against the fixed sampling ones) and keeps others.
+VARIANTS = {
+    "grpo": {},
+    "token_mean": {"loss": "token_mean"},
+    "kl_in_reward": {"kl_in_reward": True},
+    "seq_mask": {"mismatch_correction": "seq_mask", "seq_mask_low": 0.04},
+}
+
+
+def update_once(micro_batch_size: int, variant: str, dist: Dist) -> dict:
+    """The weights (full), the update's stats and the number of passes after one step of `variant`."""
     g = torch.Generator().manual_seed(1)
     P, G = 5, 4
     prompt_ids = [torch.randint(1, 40, (3 + p,), generator=g).tolist() for p in range(P)]
@@ -47,9 +58,8 @@ def main(out_path, micro_batch_size, loss, kl_in_reward):
                     RewardFailures(), torch.zeros(P, G), advantages, none, none, keep,
                     dropped=torch.zeros(P, G, dtype=torch.bool))
     cfg = TrainConfig(task="t", rewards=[RewardSpec(name="correct")], rollout=RolloutConfig(prompts_per_step=P),
-                      trainer=TrainerConfig(lr=0.5, kl_coef=0.1, ppo_epochs=2, minibatches=2, loss=loss,
-                                            kl_in_reward=kl_in_reward,
-                                            micro_batch_size=micro_batch_size, clip_eps=0.2))
+                      trainer=TrainerConfig(lr=0.5, kl_coef=0.1, ppo_epochs=2, minibatches=2,
+                                            micro_batch_size=micro_batch_size, clip_eps=0.2, **VARIANTS[variant]))
     policy = shard_model(tiny(0).train(), dist)
     reference = shard_model(tiny(1).eval().requires_grad_(False), dist)
     # Plain SGD: Adam divides by the gradient's own size, so float noise in a near-zero gradient
@@ -63,11 +73,14 @@ def main(out_path, micro_batch_size, loss, kl_in_reward):
     fill_logprobs(state, batch, groups, cfg)
     stats = update(state, batch, params, cfg)
     weights = {name: t.clone() for name, t in full_tensors(policy)}
-    if dist.is_main:
-        torch.save({"weights": weights, "stats": stats, "passes": len(batch.micro_batches)}, out_path)
-    dist.barrier()
+    return {"weights": weights, "stats": stats, "passes": len(batch.micro_batches)}
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), sys.argv[3] if len(sys.argv) > 3 else "grpo",
-         len(sys.argv) > 4 and sys.argv[4] == "kl_in_reward")
+    torch.set_num_threads(1)
+    ranks = Dist.init("cpu")
+    for name in sys.argv[3:]:
+        result = update_once(int(sys.argv[2]), name, ranks)
+        if ranks.is_main:
+            torch.save(result, Path(sys.argv[1]) / f"{name}.pt")
+    ranks.barrier()

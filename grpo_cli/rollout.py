@@ -134,9 +134,9 @@ class VLLMEngine:
         import torch
         from vllm import LLM
 
-        # vLLM drops torch to one thread unless OMP_NUM_THREADS is set, and then makes
-        # torch.set_num_threads a no-op: pin the current count before it starts.
-        os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
+        from grpo_cli.runtime import set_threads
+
+        set_threads(torch.get_num_threads())  # pin the current count before vLLM starts (runtime.set_threads)
         kwargs: dict[str, Any] = {}
         self.on_cpu = not torch.cuda.is_available()
         self.sleep_level = rollout.sleep_level

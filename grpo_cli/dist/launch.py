@@ -100,8 +100,9 @@ def launch(dist_cfg: DistConfig, argv: list[str]) -> int:
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # the one line below says it
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # the workers' C++ start-up warnings (NUMA binding)
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
-    threads = max(1, (os.cpu_count() or 1) // dist_cfg.nproc_per_node)
-    os.environ.setdefault("OMP_NUM_THREADS", str(threads))  # one share of the cores per worker
+    from grpo_cli.runtime import cpu_threads
+
+    os.environ.setdefault("OMP_NUM_THREADS", str(cpu_threads(0, dist_cfg.nproc_per_node)))  # a share of the cores each
     if dist_cfg.nnodes == 1:  # torchrun --standalone: a private rendezvous on a free local port
         rdzv = {"rdzv_backend": "c10d", "rdzv_endpoint": "127.0.0.1:0", "run_id": str(uuid.uuid4())}
     else:  # torchrun --nnodes N --node-rank R --rdzv-endpoint HOST:PORT: node ranks as given

@@ -127,3 +127,42 @@ def trained_run(tmp_path_factory, vllm_engine, shipped_weights):
 TRAINED_RUN_OVERRIDES = ["recipe=bike_pricing", "trainer.steps=4", "rollout.prompts_per_step=4",
                          "rollout.group_size=4", "eval.num_problems=16", "eval.every=2", "checkpoint.every=2",
                          "rollout.push_check_every=1", "trainer.lr=1e-3", "logging.samples_every=2"]
+
+
+ENGINE_FIXTURES = {"vllm_engine", "trained_run"}  # a test that needs one starts (or shares) a vLLM engine
+
+
+def pytest_collection_modifyitems(items):
+    """A test that uses the session's vLLM engine is slow as a matter of course (`make test-fast` skips it)."""
+    for item in items:
+        if ENGINE_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
+class Result:
+    def __init__(self, returncode: int, stdout: str, stderr: str) -> None:
+        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
+
+
+@pytest.fixture
+def cli(capsys, monkeypatch):
+    """`grpo ARGS` in this process: a Result with the exit code and what it printed."""
+    import sys
+
+    from grpo_cli.cli import main
+
+    monkeypatch.setattr(sys, "argv", list(sys.argv))  # Hydra's apps rewrite sys.argv
+
+    def run(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> Result:
+        for key, value in (env or {}).items():
+            monkeypatch.setenv(key, value)
+        monkeypatch.chdir(cwd or REPO)
+        capsys.readouterr()
+        try:
+            code = main(list(args))
+        except SystemExit as e:
+            code = e.code
+        captured = capsys.readouterr()
+        return Result(code or 0, captured.out, captured.err)
+
+    return run

@@ -1,4 +1,8 @@
-"""The `grpo` CLI through a subprocess: help, version, errors, --cfg job, recipes, completion, run dirs."""
+"""The `grpo` CLI: help, version, errors, --cfg job, recipes, completion, run dirs.
+
+Most checks call `grpo_cli.cli.main` in this process (`cli`); a few start `python -m grpo_cli` where only a
+fresh interpreter tells (what gets imported, the one-line error contract of each command, two runs at once).
+"""
 
 from __future__ import annotations
 
@@ -20,16 +24,16 @@ def grpo(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None)
                           env={**os.environ, **(env or {})}, cwd=cwd or REPO, timeout=300)
 
 
-def test_help_lists_commands_and_recipes():
-    out = grpo("--help")
+def test_help_lists_commands_and_recipes(cli):
+    out = cli("--help")
     assert out.returncode == 0
     for command in ("train", "eval", "reward", "export", "plot"):
         assert f"  {command} " in out.stdout
     assert "bike_pricing" in out.stdout
 
 
-def test_version_is_the_projects():
-    out = grpo("--version")
+def test_version_is_the_projects(cli):
+    out = cli("--version")
     assert out.returncode == 0
     assert out.stdout.strip() == f"grpo {__version__}"
 
@@ -76,8 +80,8 @@ def test_cfg_job_imports_no_heavy_package():
         (["recipe=bike_pricing", "trainer.lr=[1"], "no viable alternative"),
     ],
 )
-def test_bad_config_is_one_line_error(args, expected):
-    out = grpo("train", *args)
+def test_bad_config_is_one_line_error(cli, args, expected):
+    out = cli("train", *args)
     assert out.returncode == 2
     assert "Traceback" not in out.stderr + out.stdout
     lines = out.stderr.strip().splitlines()
@@ -86,16 +90,37 @@ def test_bad_config_is_one_line_error(args, expected):
     assert expected in lines[0]
 
 
-def test_missing_recipe_lists_available():
-    out = grpo("train")
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["train", "recipe=bike_pricing", "trainer.lrr=1"], "grpo train: error: unknown key 'trainer.lrr'"),
+        (["eval"], "grpo eval: error: no checkpoint given"),
+        (["check", "recipe=bike_pricing", "trainer.minibatches=9"], "grpo check: error: trainer.minibatches: 9 exceeds"),
+        (["reward", "recipe=bike_pricing", "cases=/nonexistent/cases.jsonl"],
+         "grpo reward: error: cases file '/nonexistent/cases.jsonl' not found"),
+        (["export", "recipe=bike_pricing", "out=README.md", "data.num_train=10", "data.num_heldout=5"],
+         "grpo export: error: out: 'README.md' exists and is not a directory"),
+        (["plot"], "grpo plot: error: no run given"),
+    ],
+)
+def test_every_command_fails_in_one_line_from_a_fresh_interpreter(args, expected):
+    """The contract, as a shell sees it: exit 2, one line on stderr, no traceback."""
+    out = grpo(*args)
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(expected) and "Traceback" not in out.stderr, out.stderr
+
+
+def test_missing_recipe_lists_available(cli):
+    out = cli("train")
     for name in available_recipes():
         assert name in out.stderr
 
 
-def test_unknown_and_unbuilt_commands():
-    out = grpo("trian")
+def test_unknown_commands_and_eval_without_a_checkpoint(cli):
+    out = cli("trian")
     assert out.returncode == 2 and "did you mean 'train'" in out.stderr
-    out = grpo("eval")  # without a checkpoint it says what to give, in one line
+    out = cli("eval")  # without a checkpoint it says what to give, in one line
     assert out.returncode == 2 and out.stderr.strip() == (
         "grpo eval: error: no checkpoint given; set checkpoint=PATH (or latest|best|base with run=DIR) "
         "or checkpoints=[A,B]")
@@ -114,18 +139,18 @@ def test_every_shipped_recipe_composes_and_validates():
         assert config.rewards, name
 
 
-def test_private_recipe_dir_from_environment(tmp_path):
+def test_private_recipe_dir_from_environment(cli, tmp_path):
     (tmp_path / "my_task.yaml").write_text(
         "task: my_task\nrewards:\n  - name: correct\nrollout:\n  group_size: 4\n")
-    out = grpo("train", "recipe=my_task", "--cfg", "job", env={"GRPO_RECIPE_PATH": str(tmp_path)})
+    out = cli("train", "recipe=my_task", "--cfg", "job", env={"GRPO_RECIPE_PATH": str(tmp_path)})
     assert out.returncode == 0, out.stderr
     assert "task: my_task" in out.stdout and "group_size: 4" in out.stdout
-    assert "my_task" in grpo("--help", env={"GRPO_RECIPE_PATH": str(tmp_path)}).stdout
+    assert "my_task" in cli("--help").stdout
 
 
-def test_recipe_with_unknown_key_names_it(tmp_path):
+def test_recipe_with_unknown_key_names_it(cli, tmp_path):
     (tmp_path / "broken.yaml").write_text("task: broken\nrewards:\n  - name: correct\nrollout:\n  groupsize: 4\n")
-    out = grpo("train", "recipe=broken", env={"GRPO_RECIPE_PATH": str(tmp_path)})
+    out = cli("train", "recipe=broken", env={"GRPO_RECIPE_PATH": str(tmp_path)})
     assert out.returncode == 2
     assert "rollout.groupsize" in out.stderr and "Traceback" not in out.stderr
 
@@ -142,14 +167,14 @@ def test_shell_completion_install_and_query():
     assert set(commands.stdout.split()) >= {"train", "eval", "reward"}
 
 
-def test_hydra_usage_error_is_one_line():
-    out = grpo("train", "-m", "recipe=bike_pricing", "rollout.group_size=4,8", "--cfg", "job")
+def test_hydra_usage_error_is_one_line(cli):
+    out = cli("train", "-m", "recipe=bike_pricing", "rollout.group_size=4,8", "--cfg", "job")
     assert out.returncode == 2
     assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
 
 
-def test_command_help_without_recipe():
-    out = grpo("train", "--help")
+def test_command_help_without_recipe(cli):
+    out = cli("train", "--help")
     assert out.returncode == 0, out.stderr
     assert "recipe: bike_pricing" in out.stdout or "bike_pricing" in out.stdout
 
@@ -178,7 +203,7 @@ def test_run_dirs_are_unique_and_hold_config_overrides_and_log(tmp_path):
     assert not (REPO / "outputs").exists()
 
 
-def test_sliding_window_model_is_refused_before_loading(tmp_path):
+def test_sliding_window_model_is_refused_before_loading(cli, tmp_path):
     """The shared prompt pass cannot serve sliding-window layers: a one-line error before any model loads."""
     import json
     import shutil
@@ -191,15 +216,15 @@ def test_sliding_window_model_is_refused_before_loading(tmp_path):
     config.update(use_sliding_window=True, sliding_window=8,
                   layer_types=["sliding_attention"] + config["layer_types"][1:])
     (model / "config.json").write_text(json.dumps(config))
-    out = grpo("train", "recipe=bike_pricing", f"output_dir={tmp_path / 'runs'}", f"model.name_or_path={model}")
+    out = cli("train", "recipe=bike_pricing", f"output_dir={tmp_path / 'runs'}", f"model.name_or_path={model}")
     assert out.returncode == 2, out.stderr[-2000:]
     assert "Traceback" not in out.stderr
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith("grpo train: error: model.name_or_path: ") and "sliding-window" in last
 
 
-def test_cwd_is_not_changed(tmp_path):
-    out = grpo("train", "recipe=bike_pricing", f"output_dir={tmp_path}", "model.name_or_path=/nonexistent/model",
+def test_cwd_is_not_changed(cli, tmp_path):
+    out = cli("train", "recipe=bike_pricing", f"output_dir={tmp_path}", "model.name_or_path=/nonexistent/model",
                cwd=tmp_path)
     assert out.returncode == 2
     assert "model.name_or_path: model '/nonexistent/model' does not exist" in out.stderr
@@ -221,7 +246,7 @@ def test_load_config_builds_the_typed_config_the_cli_would():
         load_config("train", ["recipe=bike_pricing", "trainer.lrr=1"])
 
 
-def test_check_prints_the_batch_arithmetic_and_warns_about_settings_that_do_nothing():
+def test_check_prints_the_batch_arithmetic_and_warns_about_settings_that_do_nothing(cli):
     code = (
         "import sys\n"
         "from grpo_cli.cli import main\n"
@@ -241,13 +266,13 @@ def test_check_prints_the_batch_arithmetic_and_warns_about_settings_that_do_noth
     assert "parameters -> policy + grads + AdamW" in out.stdout  # read off the shipped model's config.json
     assert "no setting without effect found" in out.stdout and "HEAVY=\n" in out.stdout  # no model loaded
 
-    two = grpo("check", "recipe=bike_pricing", "dist.nproc_per_node=2")  # reads the process count, starts nothing
+    two = cli("check", "recipe=bike_pricing", "dist.nproc_per_node=2")  # reads the process count, starts nothing
     assert two.returncode == 0, two.stderr
     assert "per rank (2): 4 prompts, 32 completions" in two.stdout
 
-    warned = grpo("check", "recipe=bike_pricing", "trainer.policy_loss=gspo", "rollout.group_size=2")
+    warned = cli("check", "recipe=bike_pricing", "trainer.policy_loss=gspo", "rollout.group_size=2")
     assert warned.returncode == 0, warned.stderr
     assert "trainer.policy_loss=gspo: with one optimizer step per batch the ratio is exactly 1" in warned.stdout
     assert "group_size=2 with trainer.advantage=group_std" in warned.stdout
-    bad = grpo("check", "recipe=bike_pricing", "trainer.minibatches=9")
+    bad = cli("check", "recipe=bike_pricing", "trainer.minibatches=9")
     assert bad.returncode == 2 and "trainer.minibatches: 9 exceeds rollout.prompts_per_step=8" in bad.stderr

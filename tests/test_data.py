@@ -15,8 +15,6 @@ from grpo_cli.data import load_splits
 from grpo_cli.errors import UsageError
 from grpo_cli.tasks import bike_pricing
 
-GRPO = str(Path(sys.executable).parent / "grpo")
-
 
 def rows_of(n: int) -> list[dict]:
     return [{"question": f"What is {i} + 1?", "answer": f"{i + 1}.00", "level": i % 3} for i in range(n)]
@@ -164,19 +162,15 @@ def test_hub_source_offline_is_a_one_line_error(tmp_path):
 
 
 # ---------------------------------------------------------------------------
-# `grpo export`, through the real command
-
-
-def run_grpo(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([GRPO, *args], capture_output=True, text=True, timeout=120)
+# `grpo export`, through the command (in this process; test_cli.py runs one from a shell)
 
 
 SMALL = ["data.num_train=120", "data.num_heldout=15", "eval.num_problems=15"]
 
 
-def test_export_round_trip(tmp_path):
+def test_export_round_trip(cli, tmp_path):
     out = tmp_path / "exported" / "nested"
-    result = run_grpo("export", "recipe=bike_pricing", f"out={out}", *SMALL)
+    result = cli("export", "recipe=bike_pricing", f"out={out}", *SMALL)
     assert result.returncode == 0, result.stderr
     assert "wrote 120 train rows" in result.stdout and "wrote 15 held-out rows" in result.stdout
     train_file, heldout_file = out / "train.jsonl", out / "heldout.jsonl"
@@ -194,19 +188,19 @@ def test_export_round_trip(tmp_path):
 
     # The exported files go through `grpo export` again unchanged.
     out2 = tmp_path / "again"
-    result = run_grpo("export", "recipe=bike_pricing", f"out={out2}", *SMALL,
+    result = cli("export", "recipe=bike_pricing", f"out={out2}", *SMALL,
                       f"data.source={train_file}", f"data.heldout_source={heldout_file}")
     assert result.returncode == 0, result.stderr
     assert (out2 / "train.jsonl").read_text() == train_file.read_text()
     assert (out2 / "heldout.jsonl").read_text() == heldout_file.read_text()
 
 
-def test_export_errors_exit_2(tmp_path):
+def test_export_errors_exit_2(cli, tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("x")
-    result = run_grpo("export", "recipe=bike_pricing", f"out={blocker}", *SMALL)
+    result = cli("export", "recipe=bike_pricing", f"out={blocker}", *SMALL)
     assert result.returncode == 2 and "is not a directory" in result.stderr
-    result = run_grpo("export", "recipe=bike_pricing", f"out={tmp_path / 'o'}", *SMALL,
+    result = cli("export", "recipe=bike_pricing", f"out={tmp_path / 'o'}", *SMALL,
                       f"data.source={tmp_path / 'nope.jsonl'}")
     assert result.returncode == 2 and "not found" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1

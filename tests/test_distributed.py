@@ -2,7 +2,8 @@
 
 The update is checked on its own first (the same batch through 1 and 2 ranks and different
 micro-batch caps gives the same weights, for every loss variant); then `grpo train` itself: a
-2-rank run with an engine each and one with a tensor-parallel engine (vLLM, the shipped model),
+2-rank run with an engine each (vLLM, countdown's shipped model) and one with a tensor-parallel engine
+(vLLM, the bike model),
 plain torchrun and two simulated nodes against the same 2-rank job, kill -9 and resume at 2, at 1
 and back at 2 ranks, Ctrl-C, and a rank that raises. All but the vLLM runs use the tiny model with
 the transformers engine, so each job takes seconds; the FSDP2 shards, collectives and checkpoints
@@ -88,57 +89,71 @@ def metrics_of(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_two_ranks_with_vllm_write_one_run_that_transformers_and_vllm_load(tmp_path, vllm_engine, shipped_weights):
+def test_two_ranks_with_an_engine_each_train_countdown_on_its_shipped_model(tmp_path):
+    """The second built-in task at 2 ranks: its own shipped model in a vLLM engine per rank, the expression
+    rewards, a push check on both engines every step, one run directory with both logs, and a gathered
+    checkpoint with the base model's files that transformers loads."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "runs"
-    done = subprocess.run([sys.executable, "-m", "grpo_cli", "train", "recipe=bike_pricing", "dist.nproc_per_node=2",
+    done = subprocess.run([sys.executable, "-m", "grpo_cli", "train", "recipe=countdown", "dist.nproc_per_node=2",
                            "trainer.steps=2", "eval.num_problems=8", "eval.every=2", "checkpoint.every=1",
                            "rollout.push_check_every=1", f"output_dir={out}"],
                           capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "2 processes (FSDP2, an engine each)" in done.stdout
-    run_dir = run_dir_of(out)
+    (run_dir,) = (out / "countdown").iterdir()
     assert (run_dir / "train.log").is_file() and (run_dir / "train-rank1.log").is_file()
     metrics = metrics_of(run_dir)
     assert [m["step"] for m in metrics] == [0, 1, 2]
     for m in metrics[1:]:  # both engines took every push: each rank checked its own, the worst is logged
         assert m["push_check/max_abs_diff"] < 1e-3
         assert m["samples"] == 64  # 8 prompts x 8, gathered from the two engines
+        assert m["reward/failures"] == 0
+    assert sum(m["reward/countdown_valid"] for m in metrics[1:]) > 1.0  # the shipped model writes valid expressions
     final = run_dir / "checkpoints" / "final"
     model = AutoModelForCausalLM.from_pretrained(final, use_safetensors=True)
     saved = load_file(final / "model.safetensors")
     assert model.model.embed_tokens.weight.equal(saved["model.embed_tokens.weight"])
     assert json.loads((final / "checkpoint.json").read_text())["world_size"] == 2
-    base = load_file(REPO / "grpo_cli" / "models" / "bike_base" / "model.safetensors")
+    base = load_file(REPO / "grpo_cli" / "models" / "countdown_base" / "model.safetensors")
     assert saved.keys() == base.keys()  # the same files as a one-process checkpoint (tied lm_head written once)
-    assert any(not saved[k].equal(base[k]) for k in saved)  # trained weights, not the start
     assert all(saved[k].shape == base[k].shape and saved[k].dtype == base[k].dtype for k in base)
+    assert any(not saved[k].equal(base[k]) for k in saved)  # trained weights, not the start
+
+
+def test_two_ranks_can_share_one_tensor_parallel_vllm_engine(tmp_path, vllm_engine, shipped_weights):
+    """One engine over both ranks (each holds its slice) takes every push; the checkpoint the two ranks
+    gathered serves in vLLM (the session's engine takes its weights) and has the base model's files."""
+    from safetensors.torch import load_file
+
     from grpo_cli import evaluate
     from grpo_cli.cli import load_config
 
-    try:  # the gathered weights serve in vLLM (the session's engine takes them)
-        assert evaluate.run(load_config("eval", [f"checkpoint={final}", "eval.num_problems=8"]),
-                            engine=vllm_engine) == 0
-    finally:
-        vllm_engine.push_weights(shipped_weights.items())
-    written = json.loads((final / "eval.json").read_text())
-    assert written["num_problems"] == 8 and 0.0 <= written["pass@1"] <= 1.0
-
-
-def test_two_ranks_can_share_one_tensor_parallel_vllm_engine(tmp_path):
     out = tmp_path / "runs"
     done = subprocess.run([sys.executable, "-m", "grpo_cli", "train", "recipe=bike_pricing", "dist.nproc_per_node=2",
                            "rollout.tensor_parallel_size=2", "trainer.steps=2", "eval.num_problems=8",
                            "rollout.push_check_every=1", f"output_dir={out}"],
                           capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
-    metrics = metrics_of(run_dir_of(out))
+    run_dir = run_dir_of(out)
+    metrics = metrics_of(run_dir)
     assert [m["step"] for m in metrics] == [0, 1, 2]
     for m in metrics[1:]:  # the engine's two halves took every push
         assert m["push_check/max_abs_diff"] < 1e-3
         assert m["samples"] == 64  # all 8 prompts once (one engine), not twice
+    final = run_dir / "checkpoints" / "final"
+    saved = load_file(final / "model.safetensors")
+    base = load_file(REPO / "grpo_cli" / "models" / "bike_base" / "model.safetensors")
+    assert saved.keys() == base.keys() and any(not saved[k].equal(base[k]) for k in saved)
+    try:
+        assert evaluate.run(load_config("eval", [f"checkpoint={final}", "eval.num_problems=8"]),
+                            engine=vllm_engine) == 0
+    finally:
+        vllm_engine.push_weights(shipped_weights.items())
+    written = json.loads((final / "eval.json").read_text())
+    assert written["num_problems"] == 8 and 0.0 <= written["pass@1"] <= 1.0
 
 
 REWARD_MODULE = '''
@@ -243,7 +258,8 @@ def test_two_simulated_nodes_and_plain_torchrun_run_the_same_job_as_two_processe
     assert (two_procs / "train.log").is_file() and (two_procs / "train-rank1.log").is_file()  # one run, both logs
 
 
-def test_kill_9_then_resume_at_two_ranks_is_bit_exact_at_one_rank_works_and_back_at_two(workdir, two_procs):
+def test_kill_9_then_resume_at_two_ranks_is_bit_exact_at_one_rank_works_and_back_at_two(workdir, two_procs,
+                                                                                       monkeypatch, capsys):
     """kill -9 of the launcher takes its workers with it; resumed at 2 ranks the job ends with the weights
     of the uninterrupted one; a copy resumed at 1 process finishes, and that 1-process run resumes
     further at 2 ranks."""
@@ -268,9 +284,14 @@ def test_kill_9_then_resume_at_two_ranks_is_bit_exact_at_one_rank_works_and_back
     assert_bit_identical(final_weights(workdir, "two_procs"), final_weights(workdir, "killed"))
     assert [m["step"] for m in metrics_of(run_dir)] == [0, 1, 2, 3, 4]
 
-    one = train(workdir, "killed_copy", "trainer.steps=4", "checkpoint.every=2", f"resume={copy}", ranks=1)
-    assert one.returncode == 0, one.stderr[-3000:]
-    assert "saved by 2 processes, resumed on 1" in one.stdout
+    from grpo_cli.cli import main
+
+    monkeypatch.chdir(workdir)  # one process: in this one, the reward module imported from the run's cwd
+    monkeypatch.syspath_prepend(str(workdir))
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    capsys.readouterr()
+    main(train_args(workdir, "killed_copy", "trainer.steps=4", "checkpoint.every=2", f"resume={copy}", ranks=1)[3:])
+    assert "saved by 2 processes, resumed on 1" in capsys.readouterr().out
     assert [m["step"] for m in metrics_of(copy)] == [0, 1, 2, 3, 4]
 
     grown = train(workdir, "killed_copy", "trainer.steps=6", "checkpoint.every=2", f"resume={copy}")

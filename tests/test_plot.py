@@ -16,11 +16,6 @@ REPO = Path(__file__).resolve().parents[1]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
-def grpo(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "grpo_cli", *args], capture_output=True, text=True,
-                          env=dict(os.environ), cwd=cwd or REPO, timeout=120)
-
-
 def write_run(run_dir: Path, steps: int = 12, slope: float = 1.0, old: bool = False) -> Path:
     """A synthetic metrics.jsonl; `old` writes only a few keys, like a run from an earlier version."""
     run_dir.mkdir(parents=True)
@@ -49,27 +44,27 @@ def assert_png(path: Path) -> None:
     assert len(data) > 20_000  # six panels of lines, not an empty canvas
 
 
-def test_grpo_plot_run_writes_png_into_the_run_dir(tmp_path):
+def test_grpo_plot_run_writes_png_into_the_run_dir(cli, tmp_path):
     run = write_run(tmp_path / "bike_pricing" / "2026-01-01_00-00-00_1-abcd")
-    out = grpo("plot", f"run={run}")
+    out = cli("plot", f"run={run}")
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == f"wrote {run / 'metrics.png'}"
     assert_png(run / "metrics.png")
     assert not (REPO / "outputs").exists()
 
 
-def test_grpo_plot_runs_overlay_into_out(tmp_path):
+def test_grpo_plot_runs_overlay_into_out(cli, tmp_path):
     a = write_run(tmp_path / "a")
     b = write_run(tmp_path / "b", slope=0.5, old=True)  # an older metrics file: most keys missing
     out_png = tmp_path / "figs" / "cmp.png"
-    out = grpo("plot", f"runs=[{a},{b}]", f"out={out_png}")
+    out = cli("plot", f"runs=[{a},{b}]", f"out={out_png}")
     assert out.returncode == 0, out.stderr
     assert_png(out_png)
 
 
-def test_grpo_plot_runs_default_out_is_in_the_working_dir(tmp_path):
+def test_grpo_plot_runs_default_out_is_in_the_working_dir(cli, tmp_path):
     a, b = write_run(tmp_path / "a"), write_run(tmp_path / "b", slope=0.3)
-    out = grpo("plot", "runs=[a,b]", cwd=tmp_path)
+    out = cli("plot", "runs=[a,b]", cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert_png(tmp_path / "runs_comparison.png")
     assert not (a / "metrics.png").exists() and not (b / "metrics.png").exists()
@@ -87,14 +82,14 @@ def test_grpo_plot_runs_default_out_is_in_the_working_dir(tmp_path):
         (["run=RUN", "bogus=1"], "unknown key 'bogus'"),
     ],
 )
-def test_grpo_plot_errors_are_one_line(tmp_path, args, expected):
+def test_grpo_plot_errors_are_one_line(cli, tmp_path, args, expected):
     run = write_run(tmp_path / "run")
     (tmp_path / "empty").mkdir()
     subs = {"NODIR": str(tmp_path / "missing"), "EMPTYDIR": str(tmp_path / "empty"), "RUN": str(run)}
     for key, value in subs.items():
         args = [a.replace(key, value) for a in args]
         expected = expected.replace(key, value)
-    out = grpo("plot", *args)
+    out = cli("plot", *args)
     assert out.returncode == 2, out.stdout + out.stderr
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr
@@ -109,11 +104,11 @@ def test_plot_runs_handles_an_old_metrics_file_in_process(tmp_path):
     assert path.read_bytes().startswith(PNG_SIGNATURE)
 
 
-def test_grpo_plot_appears_in_help():
-    out = grpo("--help")
+def test_grpo_plot_appears_in_help(cli):
+    out = cli("--help")
     assert out.returncode == 0
     plot_line = next(line for line in out.stdout.splitlines() if line.startswith("  plot "))
-    assert "not built yet" not in plot_line
+    assert plot_line.split(maxsplit=1)[1] == "plot a run's metrics to a PNG"
 
 
 def test_smoothing_keeps_the_level_and_damps_the_noise():

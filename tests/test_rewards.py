@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import random
-import subprocess
 import sys
 import time
 from decimal import Decimal
@@ -34,7 +33,6 @@ from grpo_cli.rewards import (
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED_CASES = REPO / "recipes" / "bike_pricing_cases.jsonl"
-GRPO = str(Path(sys.executable).parent / "grpo")
 
 
 def shipped_cases() -> list[dict]:
@@ -285,35 +283,32 @@ def test_columns_arrive_by_name(custom_module):
 
 
 # ---------------------------------------------------------------------------
-# the `grpo reward` harness, through the real command
+# the `grpo reward` harness, through the command (in this process; test_cli.py runs one from a shell)
 
 
-def run_grpo(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([GRPO, *args], capture_output=True, text=True, cwd=cwd, timeout=120)
-
-
-def test_harness_passes_the_shipped_cases():
-    result = run_grpo("reward", "recipe=bike_pricing", f"cases={SHIPPED_CASES}")
+def test_harness_passes_the_shipped_cases(cli):
+    result = cli("reward", "recipe=bike_pricing", f"cases={SHIPPED_CASES}")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "0 failed" in result.stdout
     assert "FAIL" not in result.stdout
 
 
-def test_harness_exits_1_on_a_wrong_expected(tmp_path):
+def test_harness_exits_1_on_a_wrong_expected(cli, tmp_path):
     cases = tmp_path / "cases.jsonl"
     cases.write_text(json.dumps({"completion": "Answer: 5", "answer": "5", "expected": 1}) + "\n"
                      + json.dumps({"completion": "Answer: 5", "answer": "6", "expected": {"correct": 1}}) + "\n"
                      + json.dumps({"completion": "Answer: 5", "answer": "6"}) + "\n")
-    result = run_grpo("reward", "recipe=bike_pricing", f"cases={cases}")
+    result = cli("reward", "recipe=bike_pricing", f"cases={cases}")
     assert result.returncode == 1, result.stdout + result.stderr
     assert "1 passed, 1 failed, 1 without expected" in result.stdout
 
 
-def test_harness_exits_1_when_a_custom_reward_crashes(tmp_path):
+def test_harness_exits_1_when_a_custom_reward_crashes(cli, tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(tmp_path))
     (tmp_path / "my_rewards.py").write_text(CUSTOM_MODULE)
     cases = tmp_path / "cases.jsonl"
     cases.write_text(json.dumps({"completion": "Answer: 5", "answer": "5", "expected": 1}) + "\n")
-    result = run_grpo("reward", "recipe=bike_pricing", f"cases={cases}",
+    result = cli("reward", "recipe=bike_pricing", f"cases={cases}",
                       "rewards=[{name:correct,correctness:true},{name:'my_rewards:raises'}]", cwd=tmp_path)
     assert result.returncode == 1, result.stdout + result.stderr
     assert "ERR" in result.stdout and "boom" in result.stdout
@@ -328,11 +323,11 @@ def test_harness_exits_1_when_a_custom_reward_crashes(tmp_path):
     ('[1, 2]\n', "must be a JSON object"),
     ("\n\n", "holds no cases"),
 ])
-def test_harness_usage_errors_exit_2_with_one_line(tmp_path, content, message):
+def test_harness_usage_errors_exit_2_with_one_line(cli, tmp_path, content, message):
     cases = tmp_path / "cases.jsonl"
     if content is not None:
         cases.write_text(content)
-    result = run_grpo("reward", "recipe=bike_pricing", f"cases={cases}")
+    result = cli("reward", "recipe=bike_pricing", f"cases={cases}")
     assert result.returncode == 2, result.stdout + result.stderr
     assert message in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1

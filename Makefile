@@ -32,7 +32,7 @@ $(STAMP): pyproject.toml Makefile
 test: install
 	$(BIN)/python -m pytest -q
 
-# Unit and CLI tests only (no vLLM engine, no training): seconds.
+# Unit and CLI tests only (no vLLM engine, no multi-process or subprocess run): a few minutes.
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow"
 

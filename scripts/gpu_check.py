@@ -5,7 +5,7 @@
     python scripts/gpu_check.py --cpu-smoke      # the same code on a tiny model on the CPU (tests run this)
 
 Needs only torch and transformers (no vLLM, hydra, wandb, datasets or network): it imports
-`grpo_cli.grpo` from this checkout, which needs nothing else. Measures, on one device:
+`grpo_cli.grpo` and `grpo_cli.passes` from this checkout, which need nothing else. Measures, on one device:
 
 - bf16 numerics: the sampled tokens' logprobs under bf16 autocast (fp32 master weights) against
   fp32, same weights and batch;

@@ -1,15 +1,19 @@
 """Session-scoped fixtures shared by the test suite.
 
 - `shipped_model_dir`: the small model committed in grpo_cli/models/bike_base.
-- `vllm_engine`: ONE in-process vLLM rollout engine (`grpo_cli.rollout.VLLMEngine`)
-  on the shipped model for the whole session; starting one costs tens of seconds
-  on CPU. Its raw `vllm.LLM` is `vllm_engine.llm`. A test that pushes weights
-  into it must push the shipped weights back before it returns.
+- `vllm_engine`: ONE in-process vLLM rollout engine (`grpo_cli.rollout.VLLMEngine`) on the shipped model
+  for the whole session; starting one costs tens of seconds on CPU. Its raw `vllm.LLM` is
+  `vllm_engine.llm`. A test that pushes weights into it must push `shipped_weights` back before it
+  returns. A second in-process engine would break this one when it is torn down (docs/design.md), so a
+  run on another model with vLLM goes to a subprocess.
+- `trained_run`: one short real run of the default recipe on that engine, shared by the end-to-end,
+  resume and eval checks.
 - `bike_splits`: the recipe's default bike_pricing (train, heldout) problems.
 - `tiny_model_dir`: a tiny randomly initialised Qwen2 saved with the shipped tokenizer, for
   runs that need a real model with a real gradient but not the shipped model's accuracy.
 - `tiny_chat_model_dir`: the same model with a ChatML chat template in its tokenizer, for the
   chat recipes (gsm8k, math).
+- `cli`: `grpo ARGS` in this process, with its exit code and output.
 """
 
 from __future__ import annotations

@@ -344,6 +344,7 @@ def shipped_run(tmp_path_factory, shipped_model_dir):
     return run
 
 
+@pytest.mark.slow
 def test_eval_of_three_checkpoints_starts_one_engine(shipped_run, tmp_path):
     """base + perturbed + final in one call: one engine, weights pushed; the base model's pass@1 in its band."""
     ckpts = shipped_run / "checkpoints"

@@ -180,7 +180,7 @@ if os.environ.get("GRPO_TEST_FAIL_RANK") == os.environ.get("RANK", "-"):
 def workdir(tmp_path_factory, tiny_model_dir):
     root = tmp_path_factory.mktemp("dist")
     (root / "tiny").symlink_to(tiny_model_dir, target_is_directory=True)
-    (root / "test_rewards_mod.py").write_text(REWARD_MODULE)
+    (root / "dist_rewards_mod.py").write_text(REWARD_MODULE)
     (root / "inject").mkdir()
     (root / "inject" / "sitecustomize.py").write_text(SITECUSTOMIZE)
     return root
@@ -190,7 +190,7 @@ def train_args(workdir: Path, out: str, *extra: str, ranks: int = 2) -> list[str
     return [sys.executable, "-m", "grpo_cli", "train", "recipe=bike_pricing", f"output_dir={workdir / out}",
             f"model.name_or_path={workdir / 'tiny'}", "rollout.engine=hf", "rollout.prompts_per_step=2",
             "rollout.group_size=4", "rollout.max_new_tokens=16", "eval.num_problems=4", "eval.every=2",
-            "trainer.lr=1e-3", "trainer.lr_schedule=constant", "rewards=[{name:test_rewards_mod:digit_share}]",
+            "trainer.lr=1e-3", "trainer.lr_schedule=constant", "rewards=[{name:dist_rewards_mod:digit_share}]",
             "rollout.push_check_every=1", "data.num_train=200", "data.num_heldout=20",
             *([f"dist.nproc_per_node={ranks}"] if ranks > 1 else []), *extra]
 

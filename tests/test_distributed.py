@@ -43,7 +43,8 @@ def assert_same_weights(a: dict, b: dict, rtol: float = 1e-5) -> None:
 def test_the_update_does_not_depend_on_how_the_batch_is_split(tmp_path):
     """For every loss variant: one rank with every sequence in one pass (in this process); two ranks
     (uneven shares, padded passes, one torchrun job for all variants) with 3 per pass; one rank with 1 per
-    pass: the same weights (fp32, relative 1e-5), and weights that did move."""
+    pass: the same weights (fp32, relative 1e-5), and weights that did move. The same job checks the loop's
+    collectives on two gloo ranks."""
     sys.path.insert(0, str(WORKER.parent))
     try:
         from partition_update import VARIANTS, tiny, update_once
@@ -55,6 +56,10 @@ def test_the_update_does_not_depend_on_how_the_batch_is_split(tmp_path):
                            str(WORKER), str(tmp_path), "3", *VARIANTS], capture_output=True, text=True, timeout=300,
                           env=ENV, cwd=REPO)
     assert done.returncode == 0, done.stderr[-3000:]
+    collectives = [json.loads((tmp_path / f"collectives_rank{r}.json").read_text()) for r in range(2)]
+    assert collectives == [  # every rank gets the same sums, decisions, rank 0's broadcast and every rank's value
+        {"rank": r, "world_size": 2, "is_main": r == 0, "sum": [3.0, 1.0], "all": False, "any": True, "broadcast": 0,
+         "gather": [0, 10]} for r in range(2)]
     threads = torch.get_num_threads()
     start = tiny(0).state_dict()
     try:
@@ -133,7 +138,8 @@ def test_two_ranks_can_share_one_tensor_parallel_vllm_engine(tmp_path, vllm_engi
 
     out = tmp_path / "runs"
     done = subprocess.run([sys.executable, "-m", "grpo_cli", "train", "recipe=bike_pricing", "dist.nproc_per_node=2",
-                           "rollout.tensor_parallel_size=2", "trainer.steps=2", "eval.num_problems=8",
+                           "rollout.tensor_parallel_size=2", "trainer.steps=2", "eval.num_problems=4",
+                           "rollout.max_new_tokens=96",
                            "rollout.push_check_every=1", f"output_dir={out}"],
                           capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -148,12 +154,12 @@ def test_two_ranks_can_share_one_tensor_parallel_vllm_engine(tmp_path, vllm_engi
     base = load_file(REPO / "grpo_cli" / "models" / "bike_base" / "model.safetensors")
     assert saved.keys() == base.keys() and any(not saved[k].equal(base[k]) for k in saved)
     try:
-        assert evaluate.run(load_config("eval", [f"checkpoint={final}", "eval.num_problems=8"]),
+        assert evaluate.run(load_config("eval", [f"checkpoint={final}", "eval.num_problems=4"]),
                             engine=vllm_engine) == 0
     finally:
         vllm_engine.push_weights(shipped_weights.items())
     written = json.loads((final / "eval.json").read_text())
-    assert written["num_problems"] == 8 and 0.0 <= written["pass@1"] <= 1.0
+    assert written["num_problems"] == 4 and 0.0 <= written["pass@1"] <= 1.0
 
 
 REWARD_MODULE = '''

@@ -117,8 +117,8 @@ def test_train_with_hf_engine_no_reference_and_offline_wandb(tmp_path, monkeypat
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.delenv("WANDB_MODE", raising=False)
     cfg = load_config("train", ["recipe=bike_pricing", f"output_dir={tmp_path}", "trainer.steps=2",
-                                "rollout.prompts_per_step=2", "rollout.group_size=4", "rollout.max_new_tokens=48",
-                                "eval.num_problems=4", "eval.every=0", "rollout.push_check_every=1",
+                                "rollout.prompts_per_step=2", "rollout.group_size=4", "rollout.max_new_tokens=32",
+                                "eval.num_problems=2", "eval.every=0", "rollout.push_check_every=1",
                                 "trainer.lr=1e-3", "rollout.engine=hf", "trainer.kl_coef=0", "logging.wandb=true"])
     run_dir = tmp_path / "run"
     assert train.run(cfg, run_dir) == 0

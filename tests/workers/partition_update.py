@@ -1,11 +1,13 @@
 """One update on a fixed synthetic batch for each loss variant, at whatever world size torchrun gives;
-rank 0 saves the full weights and the stats of each variant to argv[1]/VARIANT.pt. argv[2] is
-trainer.micro_batch_size, argv[3:] the variants (VARIANTS' keys).
+rank 0 saves the full weights and the stats of each variant to argv[1]/VARIANT.pt, and each rank what the
+loop's collectives gave it to argv[1]/collectives_rankR.json. argv[2] is trainer.micro_batch_size,
+argv[3:] the variants (VARIANTS' keys).
 
 Used by tests/test_distributed.py: 1 rank (in the test's own process, `update_once`), 2 ranks and
 different micro-batch caps must give the same weights (the loss and gradient do not depend on how
 the batch is split)."""
 
+import json
 import sys
 from pathlib import Path
 
@@ -83,4 +85,10 @@ if __name__ == "__main__":
         result = update_once(int(sys.argv[2]), name, ranks)
         if ranks.is_main:
             torch.save(result, Path(sys.argv[1]) / f"{name}.pt")
+    # The loop's own collectives (dist.Dist), as each rank sees them
+    seen = {"rank": ranks.rank, "world_size": ranks.world_size, "is_main": ranks.is_main,
+            "sum": ranks.sum([float(ranks.rank + 1), 0.5]), "all": ranks.all(ranks.rank == 0),
+            "any": ranks.any(ranks.rank == 1), "broadcast": ranks.broadcast({"from": ranks.rank})["from"],
+            "gather": ranks.gather(ranks.rank * 10)}
+    (Path(sys.argv[1]) / f"collectives_rank{ranks.rank}.json").write_text(json.dumps(seen))
     ranks.barrier()

@@ -138,17 +138,16 @@ def test_two_ranks_can_share_one_tensor_parallel_vllm_engine(tmp_path, vllm_engi
 
     out = tmp_path / "runs"
     done = subprocess.run([sys.executable, "-m", "grpo_cli", "train", "recipe=bike_pricing", "dist.nproc_per_node=2",
-                           "rollout.tensor_parallel_size=2", "trainer.steps=2", "eval.num_problems=4",
+                           "rollout.tensor_parallel_size=2", "trainer.steps=1", "eval.num_problems=4",
                            "rollout.max_new_tokens=96",
                            "rollout.push_check_every=1", f"output_dir={out}"],
                           capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     run_dir = run_dir_of(out)
     metrics = metrics_of(run_dir)
-    assert [m["step"] for m in metrics] == [0, 1, 2]
-    for m in metrics[1:]:  # the engine's two halves took every push
-        assert m["push_check/max_abs_diff"] < 1e-3
-        assert m["samples"] == 64  # all 8 prompts once (one engine), not twice
+    assert [m["step"] for m in metrics] == [0, 1]
+    assert metrics[1]["push_check/max_abs_diff"] < 1e-3  # the engine's two halves took the push
+    assert metrics[1]["samples"] == 64  # all 8 prompts once (one engine), not twice
     final = run_dir / "checkpoints" / "final"
     saved = load_file(final / "model.safetensors")
     base = load_file(REPO / "grpo_cli" / "models" / "bike_base" / "model.safetensors")

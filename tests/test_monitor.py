@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -313,8 +314,14 @@ def test_real_offline_wandb_run_records_metrics_config_and_samples(tmp_path, mon
     offline = list((run_dir / "wandb").glob("offline-run-*"))
     assert len(offline) == 1, list((run_dir / "wandb").iterdir())
     wandb_file = next(offline[0].glob("run-*.wandb"))
-    records = _wandb_records(wandb_file)
-    kinds = [r.WhichOneof("record_type") for r in records]
+    # wandb's service process may still be writing the file when finish() returns: read it once it ends
+    deadline = time.monotonic() + 30
+    while True:
+        records = _wandb_records(wandb_file)
+        kinds = [r.WhichOneof("record_type") for r in records]
+        if "exit" in kinds or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     history = [{item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
                for r in records if r.WhichOneof("record_type") == "history"]
     metric_rows = [h for h in history if "samples/_type" not in h]

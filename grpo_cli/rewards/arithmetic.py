@@ -1,6 +1,7 @@
 """A small exact arithmetic parser: whole numbers, + - * / and parentheses, never `eval`.
 
 Countdown's rewards read the stated expression with it; its value is a Fraction, so 7 / 2 * 2 is 7.
+The calculator tool (grpo_cli.tools.builtin) reads decimals too (`decimals=True`).
 """
 
 from __future__ import annotations
@@ -10,24 +11,28 @@ from fractions import Fraction
 
 MAX_EXPRESSION_CHARS = 120
 _EXPR_TOKEN = re.compile(r"\s*(?:([0-9]+)|([-+*/()×÷−]))")
+_EXPR_TOKEN_DECIMALS = re.compile(r"\s*(?:([0-9]+(?:\.[0-9]+)?)|([-+*/()×÷−]))")
 _SYNONYMS = {"×": "*", "÷": "/", "−": "-"}
 
 
-def parse_expression(text: str) -> tuple[Fraction, list[int]] | None:
+def parse_expression(text: str, decimals: bool = False) -> tuple[Fraction, list] | None:
     """`(12 - 7) * 3` -> (Fraction(15), [12, 7, 3]): its exact value and the numbers it uses, in order.
-    Whole numbers, + - * / and parentheses only (no unary minus, no implicit product); None for
-    anything else, a division by zero, or over MAX_EXPRESSION_CHARS characters."""
+    Whole numbers (and, with `decimals`, numbers like 18.25, read exactly as Fractions), + - * / and
+    parentheses only (no unary minus, no implicit product); None for anything else, a division by
+    zero, or over MAX_EXPRESSION_CHARS characters."""
     text = text.strip()
     if not text or len(text) > MAX_EXPRESSION_CHARS:
         return None
-    tokens, position = [], 0
+    pattern, number = (_EXPR_TOKEN_DECIMALS, Fraction) if decimals else (_EXPR_TOKEN, int)
+    tokens: list = []
+    position = 0
     while position < len(text):
-        m = _EXPR_TOKEN.match(text, position)
+        m = pattern.match(text, position)
         if m is None:
             return None
-        tokens.append(int(m.group(1)) if m.group(1) else _SYNONYMS.get(m.group(2), m.group(2)))
+        tokens.append(number(m.group(1)) if m.group(1) else _SYNONYMS.get(m.group(2), m.group(2)))
         position = m.end()
-    numbers: list[int] = []
+    numbers: list = []
 
     def expression(i: int) -> tuple[Fraction, int]:  # expression := term (('+' | '-') term)*
         value, i = term(i)
@@ -46,7 +51,7 @@ def parse_expression(text: str) -> tuple[Fraction, list[int]] | None:
         return value, i
 
     def factor(i: int) -> tuple[Fraction, int]:  # factor := NUMBER | '(' expression ')'
-        if i < len(tokens) and isinstance(tokens[i], int):
+        if i < len(tokens) and not isinstance(tokens[i], str):
             numbers.append(tokens[i])
             return Fraction(tokens[i]), i + 1
         if i < len(tokens) and tokens[i] == "(":

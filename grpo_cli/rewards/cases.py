@@ -1,8 +1,8 @@
 """`grpo reward recipe=NAME cases=FILE.jsonl`: hand-written completions through a recipe's rewards, as a table.
 
 Each line of the cases file is a JSON object: a `completion`, the dataset columns the rewards need
-(e.g. `answer`), optionally `expected` (a number for the correctness reward, or {name: value})
-and a `note`. Exit code 1 when a case's score differs from its expected value or a reward fails.
+(e.g. `answer`), optionally `expected` (a number for the correctness reward, or {name: value}),
+a `note`, and for a tool recipe the trajectory's `tool_calls` ([{"tool", "argument", "result", "ok"}]). Exit code 1 when a case's score differs from its expected value or a reward fails.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from grpo_cli.rewards.answers import as_text
 from grpo_cli.rewards.load import correctness_name, load_rewards, needed_columns
 from grpo_cli.rewards.score import RESERVED, RewardFailures, score
 
-_CASE_KEYS = ("completion", "expected", "note")  # everything else in a case is a dataset column
+_CASE_KEYS = ("completion", "expected", "note", "tool_calls")  # everything else in a case is a dataset column
 
 
 def read_cases(path_text: str) -> list[dict]:
@@ -40,7 +40,7 @@ def read_cases(path_text: str) -> list[dict]:
             raise UsageError(f"{path_text}:{lineno}: each line must be a JSON object with a 'completion'")
         if "completion" not in case:
             raise UsageError(f"{path_text}:{lineno}: no 'completion' field")
-        if reserved := [k for k in RESERVED if k in case]:
+        if reserved := [k for k in RESERVED if k in case and k not in _CASE_KEYS]:  # tool_calls: a trajectory's
             raise UsageError(f"{path_text}:{lineno}: '{reserved[0]}' cannot be a column; the scorer passes it itself")
         case["_line"] = lineno
         cases.append(case)
@@ -119,7 +119,8 @@ def run_cases(config: Any, run_dir: Any) -> int:
         case_failures = RewardFailures()
         prompt = case.get(config.data.prompt_column)
         _, per_function, _ = score(rewards, [case["completion"]], columns, config.data.answer_format, case_failures,
-                                   prompts=[prompt] if isinstance(prompt, str) else None)
+                                   prompts=[prompt] if isinstance(prompt, str) else None,
+                                   tool_calls=[case["tool_calls"]] if "tool_calls" in case else None)
         for name, count in case_failures.counts.items():
             failures.record(name, count, f"{where}: {case_failures.last_error[name]}")
         for name in names:

@@ -44,26 +44,32 @@ def load_reward(name: str) -> RewardFn:
         hint = f" (did you mean '{close[0]}'?)" if close else ""
         raise UsageError(f"unknown reward '{name}'{hint}; built-in: {', '.join(BUILTIN_REWARDS)}, "
                            "or a custom one as package.module:function")
+    fn = import_function(name, "reward")
+    if not _takes_var_kwargs(fn):
+        raise UsageError(f"reward '{name}' must accept **kwargs: columns and answer_format arrive by name")
+    return fn
+
+
+def import_function(name: str, what: str) -> Any:
+    """The callable named "package.module:function" (a custom reward or tool: `what`), imported from the
+    Python path, the working directory included (like `python -m`)."""
     module_name, _, func_name = name.partition(":")
     if not module_name or not func_name:
-        raise UsageError(f"reward '{name}' must look like package.module:function")
-    # Like `python -m`, let a rewards module in the current directory be found.
+        raise UsageError(f"{what} '{name}' must look like package.module:function")
     if os.getcwd() not in sys.path:
         sys.path.append(os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
-        raise UsageError(f"reward '{name}': cannot import module '{module_name}' ({e}); "
+        raise UsageError(f"{what} '{name}': cannot import module '{module_name}' ({e}); "
                            "check the name and that it is importable from here") from None
     except Exception as e:
-        raise UsageError(f"reward '{name}': importing '{module_name}' failed: {type(e).__name__}: {e}") from None
+        raise UsageError(f"{what} '{name}': importing '{module_name}' failed: {type(e).__name__}: {e}") from None
     fn = getattr(module, func_name, None)
     if fn is None:
-        raise UsageError(f"reward '{name}': module '{module_name}' has no function '{func_name}'")
+        raise UsageError(f"{what} '{name}': module '{module_name}' has no function '{func_name}'")
     if not callable(fn):
-        raise UsageError(f"reward '{name}': '{func_name}' in '{module_name}' is not callable")
-    if not _takes_var_kwargs(fn):
-        raise UsageError(f"reward '{name}' must accept **kwargs: columns and answer_format arrive by name")
+        raise UsageError(f"{what} '{name}': '{func_name}' in '{module_name}' is not callable")
     return fn
 
 

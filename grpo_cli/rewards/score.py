@@ -116,17 +116,19 @@ class Scores(NamedTuple):
     dropped: list[bool]  # [N] a reward with on_failure=drop failed on it: it leaves the loss
 
 
-# keyword names the scorer itself passes (the last three when the caller knows them: grpo train, grpo eval)
-RESERVED = ("completions", "answer_format", "completion_tokens", "max_new_tokens", "prompt")
+# keyword names the scorer itself passes (the last four when the caller knows them: grpo train, grpo eval;
+# tool_calls in a tool run)
+RESERVED = ("completions", "answer_format", "completion_tokens", "max_new_tokens", "prompt", "tool_calls")
 
 
 def score(rewards: list[WeightedReward], completions: list, columns: dict[str, list], answer_format: str,
           failures: RewardFailures | None = None, completion_tokens: list[int] | None = None,
           max_new_tokens: int | None = None, prompts: list[str] | None = None,
-          group_size: int | None = None) -> Scores:
+          group_size: int | None = None, tool_calls: list[list[dict]] | None = None) -> Scores:
     """Score N completions with every reward; columns are aligned with completions (each [N]).
-    `completion_tokens` ([N] token counts), `max_new_tokens` (the cap) and `prompts` ([N] the
-    question each completion answers, passed as `prompt`) reach the functions when given.
+    `completion_tokens` ([N] the model's token counts), `max_new_tokens` (the cap), `prompts` ([N] the
+    question each completion answers, passed as `prompt`) and, in a tool run, `tool_calls` ([N] each
+    trajectory's calls: tool, argument, result, ok) reach the functions when given.
 
     Each function is called once per group of `group_size` consecutive completions (one prompt's
     group; None = all N in one call), in its worker under `timeout_s` when it has one. A function
@@ -141,8 +143,8 @@ def score(rewards: list[WeightedReward], completions: list, columns: dict[str, l
         if len(values) != n:
             raise ValueError(f"column '{name}' has {len(values)} values for {n} completions")
     failures = failures if failures is not None else RewardFailures()
-    per_sample = {**columns, **{k: v for k, v in (("completion_tokens", completion_tokens), ("prompt", prompts))
-                                if v is not None}}
+    extra = (("completion_tokens", completion_tokens), ("prompt", prompts), ("tool_calls", tool_calls))
+    per_sample = {**columns, **{k: v for k, v in extra if v is not None}}
     fixed = {"answer_format": answer_format, **({"max_new_tokens": max_new_tokens} if max_new_tokens else {})}
     per_function, dropped = {}, [False] * n
     for r in rewards:

@@ -76,11 +76,17 @@ class MicroBatch:
     rows: list[int]  # the completions' indices in TrainBatch.completions
     prompt_index: torch.Tensor  # [b] row of each completion's prompt in its Minibatch.prompt_ids
     ids: torch.Tensor  # [b, Tc] completion token ids, right-padded
-    mask: torch.Tensor  # [b, Tc] 1 on completion tokens
+    mask: torch.Tensor  # [b, Tc] 1 on the tokens in the loss: the model's (0 on padding and on tool replies)
     advantages: torch.Tensor  # [b, 1] each completion's advantage
     sampling_logprobs: torch.Tensor  # [b, Tc] the rollout engine's logprob of each sampled token (0 on padding)
     ref_logprobs: torch.Tensor | None = None  # [b, Tc] the frozen reference's, filled in by update.fill_logprobs
     old_logprobs: torch.Tensor | None = None  # [b, Tc] the policy's before the first update (only when the ratio can move)
+    attention_mask: torch.Tensor | None = None  # [b, Tc] 1 on every real token, tool replies too; None = `mask`
+
+    @property
+    def attended(self) -> torch.Tensor:
+        """[b, Tc] the tokens the passes attend to: the model's and the tools' (padding not)."""
+        return self.mask if self.attention_mask is None else self.attention_mask
 
 
 @dataclass
@@ -101,6 +107,7 @@ class TrainBatch:
     prompt_tokens: list[list[int]]  # [P'] the kept prompts' token ids
     completions: list[list[int]]  # [N] completion token ids that enter the loss, group by group
     group_of: list[tuple[int, int]]  # [N] each completion's (slot, g): its kept prompt and place in the group
+    loss_masks: list[list[int]] = field(default_factory=list)  # [N][T_i] 1 on the model's tokens (0 on tool replies)
     minibatches: list[Minibatch] = field(default_factory=list)  # trainer.minibatches parts; empty: nothing kept
     train_tokens: int = 0  # prompt tokens x G + completion tokens of the kept groups (each prompt runs once)
 
@@ -126,7 +133,7 @@ class TrainBatch:
                     if not (cfg.mask_truncated and rollouts.truncated[p][g]) and not dropped[p][g]]
         completions = [rollouts.completion_ids[kept[slot]][g] for slot, g in group_of]  # [N]
         prompt_tokens = [groups.prompt_ids[p] for p in kept]
-        batch = cls(prompt_tokens, completions, group_of)
+        batch = cls(prompt_tokens, completions, group_of, [rollouts.loss_mask(kept[slot], g) for slot, g in group_of])
         batch.train_tokens = sum(G * len(ids) for ids in prompt_tokens) + sum(
             len(rollouts.completion_ids[p][g]) for p in kept for g in range(G))
         if not completions:
@@ -179,13 +186,15 @@ def _minibatch(batch: TrainBatch, rows: list[int], slots: range, seq_adv: list[f
     passes = []
     for local in _passes(batch, my_rows, cfg):
         mb_rows = [my_rows[i] for i in local]
-        ids, mask = pad_rows([batch.completions[j] for j in mb_rows], pad_id, dist.device)  # [b, Tc] x 2
+        ids, attended = pad_rows([batch.completions[j] for j in mb_rows], pad_id, dist.device)  # [b, Tc] x 2
+        mask = pad_values([batch.loss_masks[j] for j in mb_rows], attended)  # [b, Tc] the model's tokens
         passes.append(MicroBatch(
             rows=mb_rows,
             prompt_index=torch.tensor([batch.group_of[j][0] - mine.start for j in mb_rows], device=dist.device),
             ids=ids, mask=mask,
             advantages=torch.tensor([seq_adv[j] for j in mb_rows], device=dist.device)[:, None],  # [b, 1]
             sampling_logprobs=pad_values([seq_sampling_lp[j] for j in mb_rows], mask),  # [b, Tc]
+            attention_mask=None if bool(torch.equal(mask, attended)) else attended,  # [b, Tc] with tool replies
         ))
     while len(passes) < num_passes:  # an empty pass: one pad token, mask 0, so its loss and gradient are 0
         ids, _ = pad_rows([[pad_id]], pad_id, dist.device)  # [1, 1]
@@ -193,13 +202,14 @@ def _minibatch(batch: TrainBatch, rows: list[int], slots: range, seq_adv: list[f
         passes.append(MicroBatch(rows=[], prompt_index=torch.zeros(1, dtype=torch.long, device=dist.device),
                                  ids=ids, mask=mask, advantages=torch.zeros(1, 1, device=dist.device),
                                  sampling_logprobs=torch.zeros_like(mask)))
-    normalizer = minibatch_normalizer([batch.completions[j] for j in rows], cfg.loss, loss_params)
+    normalizer = minibatch_normalizer([batch.loss_masks[j] for j in rows], cfg.loss, loss_params)
     return Minibatch(prompt_ids, prompt_mask, passes, normalizer, rows)
 
 
-def minibatch_normalizer(completions: list[list[int]], loss: str, loss_params: LossParams) -> float:
-    """What every micro-batch of a minibatch divides its loss by: grpo.NORMALIZERS[loss] over the
-    minibatch's completions in the loss (every rank's, so all ranks divide by the same number)."""
+def minibatch_normalizer(loss_masks: list[list[int]], loss: str, loss_params: LossParams) -> float:
+    """What every micro-batch of a minibatch divides its loss by: grpo.NORMALIZERS[loss] over the loss
+    masks of the minibatch's completions in the loss (every rank's, so all ranks divide by the same
+    number). A mask is 1 on the model's tokens: a tool run's replies count for no loss."""
     from grpo_cli import grpo
 
-    return grpo.NORMALIZERS[loss](pad_rows(completions, 0)[1], loss_params)
+    return grpo.NORMALIZERS[loss](pad_values(loss_masks, pad_rows(loss_masks, 0)[1]), loss_params)

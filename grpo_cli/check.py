@@ -51,10 +51,23 @@ def batch_lines(cfg: TrainConfig, world_size: int) -> list[str]:
         f"per rank ({world_size}): {P // world_size} prompts, {P * G // world_size} completions",
         f"optimizer steps: {t.ppo_epochs} epoch(s) x {t.minibatches} minibatch(es) = {updates} per rollout batch, "
         f"{updates * t.steps} in {t.steps} steps (the lr schedule counts these)",
-        f"completion tokens per step: at most {P * G * r.max_new_tokens} (P x G x rollout.max_new_tokens="
-        f"{r.max_new_tokens}); micro-batches of <= {t.micro_batch_size} completions"
-        + (f" and <= {t.micro_batch_tokens} padded tokens" if t.micro_batch_tokens else ""),
+        f"completion tokens per step: at most {P * G * r.trajectory_tokens} (P x G x "
+        f"{'the trajectory cap' if r.tools else 'rollout.max_new_tokens'}={r.trajectory_tokens}); micro-batches of "
+        f"<= {t.micro_batch_size} completions" + (f" and <= {t.micro_batch_tokens} padded tokens" if t.micro_batch_tokens else ""),
+        *tool_lines(cfg),
     ]
+
+
+def tool_lines(cfg: TrainConfig) -> list[str]:
+    """A tool run's budgets: the tools and their call strings, the turn, call and token caps."""
+    r = cfg.rollout
+    if not r.tools:
+        return []
+    tools = ", ".join(f"{spec.function} ({spec.open or '<' + spec.function.rpartition(':')[2] + '>'}...)" for spec in r.tools)
+    return [f"tools: {tools}; results between {r.tool_result_tags[0]!r} and {r.tool_result_tags[1]!r}",
+            f"tool budgets per trajectory: <= {r.max_turns} model turns of <= {r.max_new_tokens} tokens, "
+            f"<= {r.max_tool_calls} calls, <= {r.max_tool_result_tokens} tokens per result, <= {r.trajectory_tokens} "
+            "tokens after the prompt (rollout.max_trajectory_tokens); tool replies are attended but leave the loss"]
 
 
 def memory_lines(cfg: TrainConfig, shape: dict[str, Any] | None, world_size: int) -> list[str]:

@@ -123,14 +123,16 @@ def score_groups(rows: list[dict[str, Any]], prompt_ids: list[list[int]], rollou
     P, G = len(rows), cfg.rollout.group_size
     completions = [text for group in rollouts.texts for text in group]  # [P*G]
     columns = {k: [row[k] for row in rows for _ in range(G)] for k in rows[0]}  # each [P*G]
-    tokens = [len(c) for group in rollouts.completion_ids for c in group]  # [P*G]
+    tokens = rollouts.model_tokens()  # [P*G] the model's own (a trajectory's tool replies are not)
+    calls = rollouts.tool_calls()  # [P*G] each trajectory's tool calls; None single-turn
     mine = dist.share(P)  # each rank scores its share of the groups; every rank then holds all the scores
     lo, hi = mine.start * G, mine.stop * G
     failures = rewards.RewardFailures()
     scored = rewards.score(reward_fns, completions[lo:hi], {k: v[lo:hi] for k, v in columns.items()},
                            cfg.data.answer_format, failures, completion_tokens=tokens[lo:hi],
                            max_new_tokens=cfg.rollout.max_new_tokens,
-                           prompts=columns[cfg.data.prompt_column][lo:hi], group_size=G)
+                           prompts=columns[cfg.data.prompt_column][lo:hi], group_size=G,
+                           tool_calls=calls[lo:hi] if calls is not None else None)
     if dist.world_size > 1:
         scored, failures = merge_scores(dist.gather((scored, failures)))
     for name, count in failures.counts.items():

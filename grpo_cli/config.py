@@ -84,6 +84,14 @@ class RewardSpec:
 
 
 @dataclass
+class ToolSpec:
+    function: str = MISSING  # a built-in tool ("calculator") or "package.module:function": (text between the tags) -> result text
+    open: str | None = None  # what the model writes before the call's argument; None = "<NAME>" (NAME: the function's name)
+    close: str | None = None  # what ends the call (and the model's turn); None = "</NAME>"
+    timeout_s: float | None = 10.0  # time limit per call, in a worker process killed on overrun; None = in-process, no limit
+
+
+@dataclass
 class RolloutConfig:
     engine: str = "vllm"  # generation backend: "vllm" (default) | "hf" (transformers generate, for machines without vLLM)
     prompts_per_step: int = 8  # P: distinct prompts sampled per optimizer step
@@ -100,6 +108,21 @@ class RolloutConfig:
     dynamic_sampling: bool = False  # DAPO: sample more prompts until prompts_per_step groups have reward variance
     max_sampling_rounds: int = 4  # dynamic sampling: at most this many rounds of prompts_per_step prompts a step
     tensor_parallel_size: int = 1  # consecutive ranks that share one vLLM engine (tensor parallel); 1 = an engine per rank
+    # Tools (docs/tools.md): with any listed, a rollout is a conversation: the model's turns, each tool's reply.
+    tools: list[ToolSpec] = field(default_factory=list)  # tools the model may call mid-rollout; [] = one completion per sample
+    tool_format: str = "tags"  # tools: "tags" (open/close strings, plain-text models) | "chat" (the chat template's tools= and tool role)
+    tool_result_tags: list[str] = field(default_factory=lambda: ["<result>", "</result>"])  # tags format: written around a tool's result
+    max_turns: int = 4  # tools: model turns per trajectory (each call's reply starts a new one)
+    max_tool_calls: int = 3  # tools: tool calls per trajectory
+    max_tool_result_tokens: int = 32  # tools: tokens of one tool result; a longer one is cut
+    max_trajectory_tokens: int | None = None  # tools: tokens after the prompt, model's and tools' together; None = max_new_tokens x max_turns
+
+    @property
+    def trajectory_tokens(self) -> int:
+        """The most tokens a completion can hold after its prompt: max_new_tokens, or a tool run's cap."""
+        if not self.tools:
+            return self.max_new_tokens
+        return self.max_trajectory_tokens or self.max_new_tokens * self.max_turns
 
     def __post_init__(self) -> None:
         _require(self.engine in ("vllm", "hf"), "rollout.engine", f"'{self.engine}' is not one of vllm, hf")
@@ -119,6 +142,21 @@ class RolloutConfig:
         _require(self.kv_cache_gib > 0, "rollout.kv_cache_gib", "must be > 0")
         _require(0 < self.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization", "must be in (0, 1]")
         _require(self.push_check_every >= 0, "rollout.push_check_every", "must be >= 0 (0 = never)")
+        if self.tools:
+            _require(self.max_turns >= 2, "rollout.max_turns", f"is {self.max_turns}; with tools a trajectory needs >= 2 "
+                     "turns (the call, then the model reading its result)")
+            _require(self.max_tool_calls >= 1, "rollout.max_tool_calls", "must be >= 1 with tools")
+            _require(self.max_tool_result_tokens >= 1, "rollout.max_tool_result_tokens", "must be >= 1")
+            _require(self.max_trajectory_tokens is None or self.max_trajectory_tokens >= self.max_new_tokens,
+                     "rollout.max_trajectory_tokens", f"{self.max_trajectory_tokens} is below rollout.max_new_tokens="
+                     f"{self.max_new_tokens}, the first turn's cap")
+            _require(self.tool_format in ("tags", "chat"), "rollout.tool_format",
+                     f"'{self.tool_format}' is not one of tags, chat")
+            _require(len(self.tool_result_tags) == 2, "rollout.tool_result_tags",
+                     f"has {len(self.tool_result_tags)} strings; give two, e.g. ['<result>', '</result>']")
+            _require(self.tensor_parallel_size == 1, "rollout.tensor_parallel_size",
+                     "tools run on each rank, and ranks sharing a tensor-parallel engine must submit the same "
+                     "requests; set it to 1 with tools")
 
 
 @dataclass
@@ -296,6 +334,11 @@ class TrainConfig:
         _require(self.rollout.prompts_per_step % world == 0, "rollout.prompts_per_step",
                  f"{self.rollout.prompts_per_step} does not split over {world} processes (dist.nproc_per_node x "
                  "dist.nnodes); make it a multiple of the process count")
+        _require(not (self.rollout.tools and self.rollout.tool_format == "chat" and self.data.template != "chat"),
+                 "rollout.tool_format", "chat shows the tools through the chat template; set data.template=chat")
+        _require(not (self.rollout.tools and self.rollout.engine == "hf" and world > 1), "rollout.tools",
+                 "with rollout.engine=hf at several processes each rank's generate gathers the sharded policy, and "
+                 "ranks whose trajectories take different numbers of turns would not pair up; use rollout.engine=vllm")
         _require(self.eval.num_problems <= self.data.num_heldout, "eval.num_problems",
                  f"{self.eval.num_problems} exceeds data.num_heldout={self.data.num_heldout}")
 

@@ -124,6 +124,9 @@ class PlainConsole:
         if "completion_len/mean" in m:
             parts.append(f"len {_f(m['completion_len/mean'], '.1f')}/{_f(m.get('completion_len/max'), '.0f')} "
                          f"trunc {_f(m.get('truncation_rate'), '.2f')}")
+        if "tools/calls_per_sample" in m:  # a tool run
+            parts.append(f"tools {_f(m['tools/calls_per_sample'], '.2f')}/sample (failed "
+                         f"{_f(m.get('tools/failed_per_sample'), '.2f')}) turns {_f(m.get('tools/turns_per_sample'), '.2f')}")
         if "groups/all_correct_frac" in m:
             parts.append(f"all-right {_f(m['groups/all_correct_frac'], '.2f')} "
                          f"all-wrong {_f(m.get('groups/all_wrong_frac'), '.2f')}")
@@ -224,6 +227,8 @@ class LiveConsole:
             [("KL", val("kl", ".4f")), ("clip frac", val("clip_frac"))],
             [("length mean / max", f"{val('completion_len/mean', '.1f')} / {val('completion_len/max', '.0f')}"),
              ("truncated", val("truncation_rate", ".1%"))],
+            [("tool calls / sample", val("tools/calls_per_sample", ".2f")),
+             ("samples calling", val("tools/call_share", pct=True))] if "tools/calls_per_sample" in m else [],
             [("all-correct groups", val("groups/all_correct_frac", pct=True)),
              ("all-wrong groups", val("groups/all_wrong_frac", pct=True))],
             [("grad norm", val("grad_norm", ".3g")), ("lr", val("lr", ".2e"))],

@@ -163,11 +163,15 @@ def evaluate_targets(cfg: EvalCommandConfig, targets: list[runs.Target], rows: l
     from grpo_cli.prompts import render_row
     from grpo_cli.rollout import Sampling, sample_seeds
     from grpo_cli.runtime import cpu_threads, set_threads
+    from grpo_cli.tools import load_tools
+    from grpo_cli.tools.trajectories import with_tools
 
+    tools = load_tools(cfg.rollout.tools, cfg.rollout.tool_format)  # the run's: pass@k measures the model with them
+    schemas = [t.schema for t in tools if t.schema is not None] or None
     set_threads(cpu_threads(cfg.trainer.threads))  # before the engine starts
     tokenizer = load_tokenizer(str(targets[0].path))
     check_tokenizers(targets, tokenizer)
-    heldout = HeldoutSet.build(rows, lambda row: tokenizer(render_row(row, cfg.data, tokenizer),
+    heldout = HeldoutSet.build(rows, lambda row: tokenizer(render_row(row, cfg.data, tokenizer, schemas),
                                                            add_special_tokens=False)["input_ids"],
                                reward_fns, cfg.data)
     k = cfg.eval.samples_per_problem
@@ -180,6 +184,7 @@ def evaluate_targets(cfg: EvalCommandConfig, targets: list[runs.Target], rows: l
         print(f"grpo eval: starting the vLLM engine on {targets[0].path}", flush=True)
         engine = rollout.VLLMEngine(str(targets[0].path), cfg.model, cfg.rollout, cfg.trainer.seed,
                                     show_progress=cfg.logging.verbose_libraries)
+    engine = with_tools(engine, tools, cfg.rollout)
     results, all_samples = [], []
     for i, target in enumerate(targets):
         tick = time.time()

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from grpo_cli.config import DataConfig
     from grpo_cli.rewards import WeightedReward
-    from grpo_cli.rollout import Engine, Sampling
+    from grpo_cli.rollout import Engine, Rollouts, Sampling
 
 FULL_CREDIT = 1.0 - 1e-9  # a sample counts as correct for pass@k when its correctness reward reaches 1
 
@@ -110,13 +110,16 @@ class HeldoutSet:
               rewards: list[WeightedReward], data: DataConfig) -> HeldoutSet:
         return cls(rows, [encode(row) for row in rows], rewards, data.answer_format, data.prompt_column)
 
-    def score(self, texts: list[str], lengths: list[int], k: int, max_new_tokens: int) -> Any:
-        """The rewards' Scores of k completions per row, laid out row-major [N*k]."""
+    def score(self, out: Rollouts, max_new_tokens: int) -> Any:
+        """The rewards' Scores of the k completions per row in `out`, laid out row-major [N*k]."""
         from grpo_cli.rewards import score
 
+        k = len(out.texts[0]) if out.texts else 1
+        texts = [t for group in out.texts for t in group]  # [N*k]
         columns = {key: [row[key] for row in self.rows for _ in range(k)] for key in self.rows[0]}  # each [N*k]
-        return score(self.rewards, texts, columns, self.answer_format, completion_tokens=lengths,
-                     max_new_tokens=max_new_tokens, prompts=columns.get(self.prompt_column), group_size=k)
+        return score(self.rewards, texts, columns, self.answer_format, completion_tokens=out.model_tokens(),
+                     max_new_tokens=max_new_tokens, prompts=columns.get(self.prompt_column), group_size=k,
+                     tool_calls=out.tool_calls())
 
 
 def heldout_metrics(engine: Engine, heldout: HeldoutSet, sampling: Sampling, seeds: list[int],
@@ -125,18 +128,21 @@ def heldout_metrics(engine: Engine, heldout: HeldoutSet, sampling: Sampling, see
     and per tier. `samples`, when given, receives one record per sample (prompt, completion, rewards,
     length, truncated, row columns). For the training log, `flatten(metrics)` gives eval/... keys."""
     from grpo_cli.rewards import correctness_name
+    from grpo_cli.tools.trajectories import tool_metrics
 
     k, rows = sampling.n, heldout.rows
     out = engine.generate(heldout.prompt_ids, sampling, seeds)
     texts = [t for group in out.texts for t in group]  # [N*k]
-    lengths = [len(c) for group in out.completion_ids for c in group]  # [N*k]
-    scored = heldout.score(texts, lengths, k, sampling.max_new_tokens)
+    lengths = out.model_tokens()  # [N*k] the model's own tokens (a trajectory's tool replies are not)
+    scored = heldout.score(out, sampling.max_new_tokens)
     correct = scored.per_function[correctness_name(heldout.rewards)]  # [N*k]
     truncated = [bool(t) for group in out.truncated for t in group]  # [N*k]
     votes = [answer_key(t, heldout.answer_format) for t in texts]  # [N*k]
     parts = (k, correct, scored.per_function, lengths, truncated, votes)
     metrics = summarise(list(range(len(rows))), *parts)
     metrics["per_tier"] = {tier: summarise(idx, *parts) for tier, idx in _tiers(rows).items()}
+    if out.segments:  # a tool run: how the model used its tools
+        metrics.update(tool_metrics(out))
     if samples is not None:
         for s, text in enumerate(texts):
             p = s // k
@@ -144,6 +150,7 @@ def heldout_metrics(engine: Engine, heldout: HeldoutSet, sampling: Sampling, see
                 "problem": p, "sample": s % k, "prompt": engine.tokenizer.decode(heldout.prompt_ids[p]),
                 "completion": text, "rewards": {name: values[s] for name, values in scored.per_function.items()},
                 "length": lengths[s], "truncated": truncated[s], "columns": rows[p],
+                **({"turns": out.segments[p][s % k]} if out.segments else {}),
             })
     return metrics
 
@@ -154,8 +161,7 @@ def greedy_accuracy(engine: Engine, heldout: HeldoutSet, max_new_tokens: int) ->
     from grpo_cli.rollout import Sampling
 
     out = engine.generate(heldout.prompt_ids, Sampling(1, 0.0, 1.0, max_new_tokens), list(range(len(heldout.rows))))
-    scored = heldout.score([group[0] for group in out.texts], [len(group[0]) for group in out.completion_ids], 1,
-                           max_new_tokens)
+    scored = heldout.score(out, max_new_tokens)
     correct = scored.per_function[correctness_name(heldout.rewards)]  # [N]
     return _mean(correct), {tier: _mean([correct[i] for i in idx]) for tier, idx in _tiers(heldout.rows).items()}
 

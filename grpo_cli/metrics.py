@@ -78,7 +78,9 @@ def step_metrics(step: int, groups: Groups, batch: TrainBatch, stats: dict[str, 
                  started: float) -> dict[str, Any]:
     """One step's metrics line: rewards, the update's stats, lengths, group statistics, speed, time split."""
     rollouts, scored = groups.rollouts, groups.scored
-    lengths = [len(c) for group in rollouts.completion_ids for c in group]
+    from grpo_cli.tools.trajectories import tool_metrics
+
+    lengths = rollouts.model_tokens()  # [P*G] the model's own tokens (a trajectory's tool replies are not)
     push_checks = {k: v for k, v in stats.items() if k.startswith("push_check/")}
     update_stats = {k: v for k, v in stats.items() if k not in push_checks}
     return {
@@ -107,4 +109,5 @@ def step_metrics(step: int, groups: Groups, batch: TrainBatch, stats: dict[str, 
         "time/step": sum(timings.values()),
         "elapsed_s": time.time() - started,
         **push_checks,
+        **(tool_metrics(rollouts) if rollouts.segments else {}),  # a tool run: calls, turns, tokens, caps
     }

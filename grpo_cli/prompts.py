@@ -22,23 +22,27 @@ def render_plain(question: str) -> str:
 
 
 def render_chat(question: str, tokenizer: Any, system_prompt: str | None = None,
-                instruction: str | None = CHAT_INSTRUCTION) -> str:
+                instruction: str | None = CHAT_INSTRUCTION, tools: list[dict] | None = None) -> str:
+    """Through the tokenizer's chat template; `tools` (JSON schemas) are shown the way the template shows
+    them (rollout.tool_format=chat)."""
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
     user = f"{question}\n\n{instruction}" if instruction else question
     messages.append({"role": "user", "content": user})
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                         **({"tools": tools} if tools else {}))
 
 
 def render(question: str, template: str, tokenizer: Any = None, system_prompt: str | None = None,
-           instruction: str | None = CHAT_INSTRUCTION) -> str:
+           instruction: str | None = CHAT_INSTRUCTION, tools: list[dict] | None = None) -> str:
     """The prompt text for one question under the recipe's template ("plain" | "chat")."""
     if template == "plain":
         return render_plain(question)
     if tokenizer is None:
         raise ValueError("the chat template needs the model's tokenizer")
-    return render_chat(question, tokenizer, system_prompt, instruction)
+    return render_chat(question, tokenizer, system_prompt, instruction, tools)
 
 
-def render_row(row: dict[str, Any], data: Any, tokenizer: Any = None) -> str:
-    """A dataset row's prompt under the recipe's `data` section (template, prompt column, system prompt)."""
-    return render(row[data.prompt_column], data.template, tokenizer, data.system_prompt, data.instruction)
+def render_row(row: dict[str, Any], data: Any, tokenizer: Any = None, tools: list[dict] | None = None) -> str:
+    """A dataset row's prompt under the recipe's `data` section (template, prompt column, system prompt),
+    with the chat-format tools' schemas when there are any."""
+    return render(row[data.prompt_column], data.template, tokenizer, data.system_prompt, data.instruction, tools)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from grpo_cli.config import ModelConfig, RolloutConfig, TrainConfig
@@ -44,27 +44,55 @@ class Rollouts:
     completion_ids: list[list[list[int]]]  # [P][G] sampled completion token ids
     sampling_logprobs: list[list[list[float]]]  # [P][G][T_i] engine's logprob of each sampled token
     texts: list[list[str]]  # [P][G] decoded completions
-    truncated: list[list[bool]]  # [P][G] stopped by max_new_tokens instead of end-of-sequence
+    truncated: list[list[bool]]  # [P][G] stopped by max_new_tokens (or a tool run's cap) instead of end-of-sequence
+    # With tools (grpo_cli.tools.trajectories) a completion is a trajectory: the model's tokens and the
+    # environment's replies. Empty lists: single-turn, every token is the model's.
+    model_mask: list[list[list[int]]] = field(default_factory=list)  # [P][G][T_i] 1 on the model's tokens, 0 on the tools'
+    segments: list[list[list[dict]]] = field(default_factory=list)  # [P][G] the turns: {"role": "model"|"tool", "text", ...}
+    capped: list[list[str | None]] = field(default_factory=list)  # [P][G] the tool-run cap that stopped it, or None
+
+    FIELDS = ("prompt_ids", "completion_ids", "sampling_logprobs", "texts", "truncated", "model_mask", "segments",
+              "capped")
 
     @property
     def num_tokens(self) -> int:
         return sum(len(c) for group in self.completion_ids for c in group)
 
+    def model_tokens(self) -> list[int]:
+        """[P*G] each completion's own tokens: its length, less the tools' replies in a trajectory."""
+        if not self.model_mask:
+            return [len(c) for group in self.completion_ids for c in group]
+        return [sum(mask) for group in self.model_mask for mask in group]
+
+    def tool_calls(self) -> list[list[dict]] | None:
+        """[P*G] each trajectory's tool calls ({"tool", "argument", "result", "ok"}), or None when single-turn:
+        what the rewards receive as `tool_calls`."""
+        if not self.segments:
+            return None
+        return [[{k: s[k] for k in ("tool", "argument", "result", "ok")} for s in segments if s["role"] == "tool"]
+                for group in self.segments for segments in group]
+
+    def loss_mask(self, p: int, g: int) -> list[int]:
+        """[T] 1 on the tokens the model sampled (all of them in a single-turn completion)."""
+        return self.model_mask[p][g] if self.model_mask else [1] * len(self.completion_ids[p][g])
+
     @classmethod
     def concat(cls, parts: list[Rollouts]) -> Rollouts:
         """Several parts' prompts, in order, as one (sampling rounds, the engines of a job)."""
-        return cls(*[sum((getattr(r, f) for r in parts), []) for f in
-                     ("prompt_ids", "completion_ids", "sampling_logprobs", "texts", "truncated")])
+        return cls(*[sum((getattr(r, f) for r in parts), []) for f in cls.FIELDS])
 
 
 class Sampling(NamedTuple):
     """How the engine samples: `n` completions per prompt at `temperature` and `top_p`, each at most
-    `max_new_tokens` long. Temperature 0 is greedy."""
+    `max_new_tokens` long. Temperature 0 is greedy. `stop`: strings that end a completion (a tool's
+    close tag), kept in it; the vLLM engine stops there, the transformers engine's output is cut
+    there by the caller (tools.trajectories.cut_at_stop)."""
 
     n: int
     temperature: float
     top_p: float
     max_new_tokens: int
+    stop: tuple[str, ...] = ()
 
 
 class Engine(Protocol):
@@ -170,9 +198,11 @@ class VLLMEngine:
         group_size = sampling.n
         # detokenize=False: with it on, vLLM also decodes the token of every sampled logprob, step by
         # step; the texts are decoded once at the end instead, in one batch (docs/benchmarks.md).
+        # Stop strings need vLLM's detokenizer, so a tool run's turns pay for it.
+        stop = {"stop": list(sampling.stop), "include_stop_str_in_output": True} if sampling.stop else {}
         params = [
             SamplingParams(n=group_size, temperature=sampling.temperature, top_p=sampling.top_p,
-                           max_tokens=sampling.max_new_tokens, logprobs=0, seed=seed, detokenize=False)
+                           max_tokens=sampling.max_new_tokens, logprobs=0, seed=seed, detokenize=bool(stop), **stop)
             for seed in seeds
         ]
         waves = [list(range(len(prompt_ids)))]
@@ -327,30 +357,12 @@ def _logits(model: Any, ids: Any) -> Any:
     return model(ids).logits
 
 
-class ShardedEngine:
-    """A rank's engine inside a multi-process job: `generate` samples this engine's share of the prompts
-    (with their own seeds, so a prompt's samples do not depend on the world size) and returns every
-    engine's, gathered in prompt order. With rollout.tensor_parallel_size = T, ranks T*e .. T*e+T-1
-    share engine e: they submit the same prompts and get the same outputs. Every rank pushes the full
-    weights (each tensor-parallel rank loads its part) and runs the push check."""
+class WrappedEngine:
+    """An engine around another one (a rank's share of a job, the tool loop): everything but `generate` is
+    the inner engine's."""
 
-    def __init__(self, engine: VLLMEngine | HFEngine, dist: Dist, tensor_parallel_size: int = 1) -> None:
-        self.engine, self.dist, self.tp = engine, dist, tensor_parallel_size
-        self.tokenizer = engine.tokenizer
-
-    def generate(self, prompt_ids: list[list[int]], sampling: Sampling, seeds: list[int]) -> Rollouts:
-        from grpo_cli.dist import contiguous_share
-
-        mine = contiguous_share(len(prompt_ids), self.dist.rank // self.tp, self.dist.world_size // self.tp)
-        part = self.engine.generate(prompt_ids[mine.start:mine.stop], sampling, seeds[mine.start:mine.stop]) \
-            if len(mine) else \
-            Rollouts([], [], [], [], [])
-        if isinstance(self.engine, HFEngine) and not len(mine):
-            from grpo_cli.dist.shard import gather_all, reshard_all
-
-            gather_all(self.engine.policy)  # pairs with the other ranks' gather in HFEngine.generate
-            reshard_all(self.engine.policy)
-        return Rollouts.concat(self.dist.gather(part)[:: self.tp])  # one copy per engine (its TP ranks agree)
+    def __init__(self, engine: Engine) -> None:
+        self.engine, self.tokenizer = engine, engine.tokenizer
 
     def push_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
         self.engine.push_weights(named_tensors)
@@ -368,18 +380,47 @@ class ShardedEngine:
         self.engine.wake_kv_cache()
 
 
+class ShardedEngine(WrappedEngine):
+    """A rank's engine inside a multi-process job: `generate` samples this engine's share of the prompts
+    (with their own seeds, so a prompt's samples do not depend on the world size) and returns every
+    engine's, gathered in prompt order. With rollout.tensor_parallel_size = T, ranks T*e .. T*e+T-1
+    share engine e: they submit the same prompts and get the same outputs. Every rank pushes the full
+    weights (each tensor-parallel rank loads its part) and runs the push check."""
+
+    def __init__(self, engine: Engine, dist: Dist, tensor_parallel_size: int = 1) -> None:
+        super().__init__(engine)
+        self.dist, self.tp = dist, tensor_parallel_size
+
+    def generate(self, prompt_ids: list[list[int]], sampling: Sampling, seeds: list[int]) -> Rollouts:
+        from grpo_cli.dist import contiguous_share
+
+        mine = contiguous_share(len(prompt_ids), self.dist.rank // self.tp, self.dist.world_size // self.tp)
+        part = self.engine.generate(prompt_ids[mine.start:mine.stop], sampling, seeds[mine.start:mine.stop]) \
+            if len(mine) else \
+            Rollouts([], [], [], [], [])
+        if isinstance(self.engine, HFEngine) and not len(mine):
+            from grpo_cli.dist.shard import gather_all, reshard_all
+
+            gather_all(self.engine.policy)  # pairs with the other ranks' gather in HFEngine.generate
+            reshard_all(self.engine.policy)
+        return Rollouts.concat(self.dist.gather(part)[:: self.tp])  # one copy per engine (its TP ranks agree)
+
+
 def sleep_wanted(rollout: RolloutConfig, trainer_device: torch.device | str) -> bool:
     """rollout.sleep_mode: "auto" sleeps when the trainer is on CUDA too (one GPU, shared)."""
     return {"on": True, "off": False, "auto": str(trainer_device).startswith("cuda")}[rollout.sleep_mode]
 
 
-def build_engine(cfg: TrainConfig, model_path: str, policy: torch.nn.Module, tokenizer: Any, dist: Dist) -> Engine:
+def build_engine(cfg: TrainConfig, model_path: str, policy: torch.nn.Module, tokenizer: Any, dist: Dist,
+                 wrap: Callable[[Engine], Engine] | None = None) -> Engine:
     """The engine named by rollout.engine on `model_path` (the table keeps the loop free of engine
-    branches); at world size > 1, this rank's engine inside a `ShardedEngine`."""
+    branches), inside `wrap` when given (the multi-turn tool loop, tools.trajectories.with_tools: each
+    rank runs its own samples' tools); at world size > 1, this rank's engine inside a `ShardedEngine`."""
     builders = {
         "vllm": lambda: VLLMEngine(model_path, cfg.model, cfg.rollout, cfg.trainer.seed, cfg.logging.verbose_libraries,
                                    sleep=sleep_wanted(cfg.rollout, dist.device), world_size=dist.world_size),
         "hf": lambda: HFEngine(policy, tokenizer, lambda: dist.autocast(cfg.model.dtype)),
     }
     engine = builders[cfg.rollout.engine]()
+    engine = wrap(engine) if wrap else engine
     return ShardedEngine(engine, dist, cfg.rollout.tensor_parallel_size) if dist.world_size > 1 else engine

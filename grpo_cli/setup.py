@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from grpo_cli.heldout import HeldoutSet
     from grpo_cli.rewards import WeightedReward
     from grpo_cli.rollout import Engine
+    from grpo_cli.tools import LoadedTool
 
 
 @dataclass
@@ -41,12 +42,19 @@ class Task:
     model_path: str  # the base model's directory (or hub id): the reference, and the start of a new run
     tokenizer: Any  # the model's tokenizer (a transformers tokenizer, pad token set)
     data: DataConfig  # how a row becomes a prompt (template, prompt column) and how its answer is marked
+    tools: list[LoadedTool] = dataclasses.field(default_factory=list)  # rollout.tools, loaded (docs/tools.md)
 
     def encode(self, row: dict[str, Any]) -> list[int]:
         """A row's prompt, rendered with data.template, as token ids."""
         from grpo_cli.prompts import render_row
 
-        return self.tokenizer(render_row(row, self.data, self.tokenizer), add_special_tokens=False)["input_ids"]
+        return self.tokenizer(render_row(row, self.data, self.tokenizer, self.tool_schemas),
+                              add_special_tokens=False)["input_ids"]
+
+    @property
+    def tool_schemas(self) -> list[dict] | None:
+        """The chat-format tools' JSON schemas, shown in every prompt; None otherwise."""
+        return [t.schema for t in self.tools if t.schema is not None] or None
 
 
 def preflight(cfg: TrainConfig) -> Task:
@@ -82,25 +90,30 @@ def preflight(cfg: TrainConfig) -> Task:
 
     if reason := passes.shared_prompt_unsupported(AutoConfig.from_pretrained(model_path)):
         raise UsageError(f"model.name_or_path: {reason}")
-    task = Task(train_rows, heldout_rows, reward_fns, model_path, load_tokenizer(model_path), cfg.data)
+    from grpo_cli.tools import load_tools
+
+    tools = load_tools(cfg.rollout.tools, cfg.rollout.tool_format)
+    task = Task(train_rows, heldout_rows, reward_fns, model_path, load_tokenizer(model_path), cfg.data, tools)
     check_prompt_lengths(task, cfg)
     return task
 
 
 def check_prompt_lengths(task: Task, cfg: TrainConfig) -> None:
-    """Every prompt + rollout.max_new_tokens must fit the model's context (vLLM would refuse it mid-run)."""
+    """Every prompt + rollout.max_new_tokens (a tool run's whole trajectory) must fit the model's context
+    (vLLM would refuse it mid-run)."""
     from grpo_cli.prompts import render_row
     from grpo_cli.rollout import max_model_len
 
     context = max_model_len(task.model_path, cfg.model)
     for name, rows in (("train", task.train_rows), ("held-out", task.heldout_rows)):
-        texts = [render_row(row, cfg.data, task.tokenizer) for row in rows]
+        texts = [render_row(row, cfg.data, task.tokenizer, task.tool_schemas) for row in rows]
         lengths = [len(ids) for ids in task.tokenizer(texts, add_special_tokens=False)["input_ids"]]
         worst = max(range(len(rows)), key=lengths.__getitem__)
-        if lengths[worst] + cfg.rollout.max_new_tokens > context:
-            raise UsageError(f"{name} row {worst}: its prompt of {lengths[worst]} tokens + rollout.max_new_tokens="
-                             f"{cfg.rollout.max_new_tokens} exceeds the model's context of {context} tokens; lower "
-                             "rollout.max_new_tokens, set model.max_context_tokens, or drop long prompts")
+        key = "rollout.max_trajectory_tokens" if cfg.rollout.tools else "rollout.max_new_tokens"
+        if lengths[worst] + cfg.rollout.trajectory_tokens > context:
+            raise UsageError(f"{name} row {worst}: its prompt of {lengths[worst]} tokens + {key}="
+                             f"{cfg.rollout.trajectory_tokens} exceeds the model's context of {context} tokens; lower "
+                             f"{key}, set model.max_context_tokens, or drop long prompts")
 
 
 def setup_torch(cfg: TrainerConfig) -> None:
@@ -198,10 +211,14 @@ def start_run(cfg: TrainConfig, task: Task, run_dir: Path, engine: Engine | None
     if cfg.trainer.kl_coef > 0:  # frozen: stored in the compute dtype itself
         reference = shard_model(load_policy(task.model_path, cfg.model.dtype).to(dist.device).eval()
                                 .requires_grad_(False), dist)
+    from grpo_cli.tools.trajectories import with_tools
+
+    tool_loop = lambda e: with_tools(e, task.tools, cfg.rollout)  # noqa: E731 - the engine itself without tools
     if engine is None:
-        engine = build_engine(cfg, start.path, policy, task.tokenizer, dist)
+        engine = build_engine(cfg, start.path, policy, task.tokenizer, dist, wrap=tool_loop)
     else:
         engine.push_weights(checkpoint_weights(start.path).items())
+        engine = tool_loop(engine)
     optimizer, scheduler = build_optimizer(policy, cfg.trainer, start.schedule_steps)
     heldout = HeldoutSet.build(task.heldout_rows[: cfg.eval.num_problems], task.encode, task.reward_fns, cfg.data)
     state = RunState(task, dist, run_dir, start, policy, reference, engine, optimizer, scheduler,

@@ -145,9 +145,12 @@ class RunOutput:
         every = self.cfg.logging.samples_every
         if every and step % every == 0:
             G = groups.group_size
-            samples = [{"prompt": tokenizer.decode(groups.prompt_ids[p]), "completion": groups.rollouts.texts[p][0],
+            rollouts = groups.rollouts
+            samples = [{"prompt": tokenizer.decode(groups.prompt_ids[p]), "completion": rollouts.texts[p][0],
                         "rewards": {name: vals[p * G] for name, vals in groups.scored.per_function.items()},
-                        "advantage": float(groups.advantages[p, 0])} for p in range(min(len(groups.rows), 4))]
+                        "advantage": float(groups.advantages[p, 0]),
+                        **({"turns": rollouts.segments[p][0]} if rollouts.segments else {})}
+                       for p in range(min(len(groups.rows), 4))]
             self.logger.log_samples(samples, step)
             self.console.samples(samples, step)
 

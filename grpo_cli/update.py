@@ -34,7 +34,8 @@ def loss_params(cfg: TrainConfig) -> LossParams:
         clip_eps=t.clip_eps, clip_eps_high=t.clip_eps_high, kl_coef=0.0 if t.kl_in_reward else t.kl_coef,
         policy_loss=t.policy_loss, clip_ratio_c=t.clip_ratio_c, kl_estimator=t.kl_estimator,
         correction=t.mismatch_correction, tis_cap=t.tis_cap, seq_mask_low=t.seq_mask_low,
-        seq_mask_high=t.seq_mask_high, entropy_coef=t.entropy_coef, max_new_tokens=cfg.rollout.max_new_tokens)
+        seq_mask_high=t.seq_mask_high, entropy_coef=t.entropy_coef,
+        max_new_tokens=cfg.rollout.trajectory_tokens)  # dr_grpo's constant: the most tokens a completion holds
 
 
 def needs_old_logprobs(cfg: TrainConfig) -> bool:
@@ -63,8 +64,8 @@ def batch_logprobs(model: torch.nn.Module | None, batch: TrainBatch, chunk_token
     with torch.no_grad(), (autocast or contextlib.nullcontext)():
         for part in batch.minibatches:
             prompts = run_pass(model, passes.prompt_states, part.prompt_ids, part.prompt_mask)  # each prompt once
-            out += [run_pass(model, passes.completion_logprobs, prompts, mb.prompt_index, mb.ids, mb.mask, chunk_tokens,
-                             temperature=temperature) for mb in part.micro_batches]  # [b, Tc] each
+            out += [run_pass(model, passes.completion_logprobs, prompts, mb.prompt_index, mb.ids, mb.attended,
+                             chunk_tokens, temperature=temperature) for mb in part.micro_batches]  # [b, Tc] each
             reshard_all(model)  # FSDP (world size > 1): back to this rank's shards
     return out
 
@@ -99,7 +100,7 @@ def renormalize_without_rejected(batch: TrainBatch, cfg: TrainConfig, dist: Dist
         rejected += [j for j, keep in zip(mb.rows, kept) if not keep]
     rejected_everywhere = {j for part in dist.gather(rejected) for j in part}
     for part in batch.minibatches:
-        part.normalizer = minibatch_normalizer([batch.completions[j] for j in part.rows
+        part.normalizer = minibatch_normalizer([batch.loss_masks[j] for j in part.rows
                                                 if j not in rejected_everywhere], cfg.trainer.loss, params)
 
 
@@ -163,7 +164,7 @@ def minibatch_step(state: RunState, part: Minibatch, params: LossParams, cfg: Tr
     for mb in part.micro_batches:
         with dist.autocast(cfg.model.dtype):
             logps, entropy = run_pass(
-                policy, passes.completion_logprobs, leaves, mb.prompt_index, mb.ids, mb.mask, t_cfg.logprob_chunk_tokens,
+                policy, passes.completion_logprobs, leaves, mb.prompt_index, mb.ids, mb.attended, t_cfg.logprob_chunk_tokens,
                 temperature=cfg.rollout.temperature, with_entropy=True,
                 entropy_grad=params.entropy_coef > 0)  # [b, Tc] x 2
         inputs = grpo.LossInputs(logps, mb.mask, mb.advantages, old_logprobs=mb.old_logprobs,

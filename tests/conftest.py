@@ -13,6 +13,8 @@
   runs that need a real model with a real gradient but not the shipped model's accuracy.
 - `tiny_chat_model_dir`: the same model with a ChatML chat template in its tokenizer, for the
   chat recipes (gsm8k, math).
+- `tiny_tool_model_dir`: a tiny Qwen2 with a tool-taking chat template (`tool_chat_tokenizer`), taught to
+  open its turn with a native `<tool_call>`, for the chat tool format (gsm8k_tools).
 - `cli`: `grpo ARGS` in this process, with its exit code and output.
 """
 
@@ -96,6 +98,76 @@ def tiny_chat_model_dir(tmp_path_factory, tiny_model_dir) -> Path:
         shutil.copy(f, path / f.name)
     tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.chat_template = CHATML_TEMPLATE
+    tokenizer.save_pretrained(path)
+    return path
+
+
+# A template that takes tools the way Qwen2.5's does (their schemas in the system turn, calls as
+# <tool_call>JSON</tool_call>, results in a user turn as <tool_response>), written small for the tests.
+TOOL_CHAT_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n"
+    "{% endif %}Tools you may call, one per turn, as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>:\n"
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}<|im_end|>\n"
+    "{% elif messages[0]['role'] == 'system' %}<|im_start|>system\n{{ messages[0]['content'] }}<|im_end|>\n{% endif %}"
+    "{% for message in messages %}{% if message['role'] == 'tool' %}"
+    "<|im_start|>user\n<tool_response>\n{{ message['content'] }}\n</tool_response><|im_end|>\n"
+    "{% elif message['role'] != 'system' %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+TOOL_CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "2+3"}}</tool_call>'
+
+
+def tool_chat_tokenizer():
+    """The shipped tokenizer with <tool_call> and </tool_call> as added (not special) tokens, as Qwen2.5's
+    has them, and TOOL_CHAT_TEMPLATE."""
+    from tokenizers import AddedToken
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(SHIPPED_MODEL_DIR)
+    tokenizer.add_tokens([AddedToken("<tool_call>", special=False), AddedToken("</tool_call>", special=False)])
+    tokenizer.chat_template = TOOL_CHAT_TEMPLATE
+    return tokenizer
+
+
+@pytest.fixture(scope="session")
+def tiny_tool_model_dir(tmp_path_factory) -> Path:
+    """A tiny Qwen2 whose tokenizer has a tool-taking chat template and <tool_call> / </tool_call> as added
+    (not special) tokens, as Qwen2.5's has, taught in 300 steps to open its turn after any prompt showing the
+    calculator with one call of it in that syntax, so a run on it makes real native calls."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers.utils import get_json_schema
+
+    from grpo_cli.tools import calculator
+
+    path = tmp_path_factory.mktemp("tiny_tool_model")
+    tokenizer = tool_chat_tokenizer()
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=2048,
+                         tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)
+    model = Qwen2ForCausalLM(config)
+    schemas = [get_json_schema(calculator)]
+    call = tokenizer(TOOL_CALL, add_special_tokens=False)["input_ids"]
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for step in range(300):  # about 15 s: after any chat prompt showing the calculator, the call
+        g = torch.Generator().manual_seed(step)
+        split = 4 + step % 37
+        words = torch.randint(0, 500, (4, 48), generator=g)  # questions, and system prompts, of any length
+        messages = [[{"role": "system", "content": tokenizer.decode(w[split:])}] * (step % 2)
+                    + [{"role": "user", "content": tokenizer.decode(w[:split])}] for w in words]
+        prompts = [tokenizer(tokenizer.apply_chat_template(m, tools=schemas, tokenize=False, add_generation_prompt=True),
+                             add_special_tokens=False)["input_ids"] for m in messages]
+        width = min(map(len, prompts))
+        ids = torch.tensor([p[-width:] + call for p in prompts])  # [4, width + T]
+        labels = ids.clone()
+        labels[:, :width] = -100
+        loss = model(input_ids=ids, labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
 

@@ -43,8 +43,8 @@ def assert_same_weights(a: dict, b: dict, rtol: float = 1e-5) -> None:
 def test_the_update_does_not_depend_on_how_the_batch_is_split(tmp_path):
     """For every loss variant: one rank with every sequence in one pass (in this process); two ranks
     (uneven shares, padded passes, one torchrun job for all variants) with 3 per pass; one rank with 1 per
-    pass: the same weights (fp32, relative 1e-5), and weights that did move. The same job checks the loop's
-    collectives on two gloo ranks."""
+    pass: the same weights (fp32, relative 1e-5), and weights that did move; tool-run trajectories (tokens
+    attended but out of the loss) too. The same job checks the loop's collectives on two gloo ranks."""
     sys.path.insert(0, str(WORKER.parent))
     try:
         from partition_update import VARIANTS, tiny, update_once
@@ -74,9 +74,13 @@ def test_the_update_does_not_depend_on_how_the_batch_is_split(tmp_path):
             assert moved > 1e-3, name  # the update did move the weights, so agreeing means something
             if name == "seq_mask":  # the band rejected some samples, not all of them
                 assert 0 < two_ranks["stats"]["correction/masked_frac"] < 1
-        one_per_pass = update_once(1, "grpo", Dist())
-        assert_same_weights(update_once(64, "grpo", Dist())["weights"], one_per_pass["weights"])
-        assert one_per_pass["passes"] > 4
+        for name in ("grpo", "tool_tokens"):
+            one_per_pass = update_once(1, name, Dist())
+            assert_same_weights(update_once(64, name, Dist())["weights"], one_per_pass["weights"])
+            assert one_per_pass["passes"] > 4
+        masked, unmasked = update_once(64, "tool_tokens", Dist()), update_once(64, "token_mean", Dist())
+        embed = "model.embed_tokens.weight"
+        assert not torch.equal(masked["weights"][embed], unmasked["weights"][embed])  # the mask changes the update
     finally:
         torch.set_num_threads(threads)
 

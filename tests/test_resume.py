@@ -48,6 +48,9 @@ def sleeps(completions, **kwargs):  # a checker that hangs
 def three_values(completions, **kwargs):
     return [1.0, 0.0, 1.0]
 
+def echo(argument):  # a tool: its reply is the start of its argument, reversed
+    return argument[:6][::-1]
+
 def raises_sometimes(completions, **kwargs):  # crashes on some samples only (about one in four)
     if any(len(c) % 4 == 0 for c in completions):
         raise RuntimeError("cannot parse this one")
@@ -125,6 +128,9 @@ def test_atomic_save_leaves_previous_checkpoint_usable(workdir, tmp_path, monkey
 # correction on: the cursor, the rounds' seeds, the old logprobs and the schedule must all resume exactly.
 MENU = ("trainer.ppo_epochs=2", "trainer.minibatches=2", "rollout.dynamic_sampling=true", "trainer.policy_loss=gspo",
         "trainer.mismatch_correction=tis", "trainer.kl_in_reward=true", "trainer.entropy_coef=0.01")
+# A tool run the tiny random model calls often: any text from a space to an "e" is a call of `echo`.
+TOOLS = ("rollout.tools=[{function:test_rewards_mod:echo,open:' ',close:e,timeout_s:null}]",
+         "rollout.tool_result_tags=['[',']']", "rollout.max_turns=3", "rollout.max_trajectory_tokens=40")
 
 
 def kill_at_step_2(workdir: Path, out: str, *extra: str) -> Path:
@@ -143,7 +149,7 @@ def kill_at_step_2(workdir: Path, out: str, *extra: str) -> Path:
     return marker.parents[2]
 
 
-@pytest.mark.parametrize("menu", [(), MENU], ids=["default", "menu"])
+@pytest.mark.parametrize("menu", [(), MENU, TOOLS], ids=["default", "menu", "tools"])
 def test_resume_after_sigkill_gives_the_same_weights(in_workdir, capsys, menu):
     from safetensors.torch import load_file
 
@@ -158,8 +164,10 @@ def test_resume_after_sigkill_gives_the_same_weights(in_workdir, capsys, menu):
     b = load_file(run_dir / "checkpoints" / "final" / "model.safetensors")
     assert a.keys() == b.keys()
     assert all(a[k].equal(b[k]) for k in a)  # bit-exact
-    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [0, 1, 2, 3, 4]  # steps logged after the checkpoint were replayed, not duplicated
+    logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in logged] == [0, 1, 2, 3, 4]  # steps logged after the checkpoint were replayed
+    if menu == TOOLS:  # trajectories of several turns, resumed on the same samples
+        assert all(m["tools/calls_per_sample"] > 0.5 and m["tools/turns_per_sample"] > 1.5 for m in logged[1:])
     if menu:
         return  # the refusals below do not depend on the loss
 

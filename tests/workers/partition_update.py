@@ -5,7 +5,7 @@ argv[3:] the variants (VARIANTS' keys).
 
 Used by tests/test_distributed.py: 1 rank (in the test's own process, `update_once`), 2 ranks and
 different micro-batch caps must give the same weights (the loss and gradient do not depend on how
-the batch is split)."""
+the batch is split), tool-run trajectories with tokens out of the loss included."""
 
 import json
 import sys
@@ -40,7 +40,14 @@ VARIANTS = {
     "token_mean": {"loss": "token_mean"},
     "kl_in_reward": {"kl_in_reward": True},
     "seq_mask": {"mismatch_correction": "seq_mask", "seq_mask_low": 0.04},
+    "tool_tokens": {"loss": "token_mean"},  # trajectories: tokens 1-2 of the longer completions are a tool's reply
 }
+TRAJECTORIES = {"tool_tokens"}
+
+
+def tool_reply_mask(completion: list[int]) -> list[int]:
+    """1 on the model's tokens: all of a short completion; a longer one has a 2-token tool reply after its first."""
+    return [0 if len(completion) > 3 and t in (1, 2) else 1 for t in range(len(completion))]
 
 
 def update_once(micro_batch_size: int, variant: str, dist: Dist) -> dict:
@@ -55,6 +62,9 @@ def update_once(micro_batch_size: int, variant: str, dist: Dist) -> dict:
     keep = torch.tensor([True, True, False, True, False])
     rollouts = Rollouts(prompt_ids, completion_ids, [[[-0.5] * len(c) for c in grp] for grp in completion_ids],
                         [["x"] * G for _ in range(P)], [[False] * G for _ in range(P)])
+    if variant in TRAJECTORIES:  # attended by every pass, out of the loss; no sampling logprob on a reply
+        rollouts.model_mask = [[tool_reply_mask(c) for c in grp] for grp in completion_ids]
+        rollouts.sampling_logprobs = [[[-0.5 * m for m in tool_reply_mask(c)] for c in grp] for grp in completion_ids]
     none = torch.zeros(P, dtype=torch.bool)
     groups = Groups([{}] * P, prompt_ids, rollouts, Scores([0.0] * (P * G), {"correct": [0.0] * (P * G)}, [False] * (P * G)),
                     RewardFailures(), torch.zeros(P, G), advantages, none, none, keep,

@@ -1,0 +1,18 @@
+"""Tools: functions the model calls in the middle of a rollout, and the multi-turn loop that runs them.
+
+- builtin.py: the built-in tools (`calculator`; `python`, code in a fresh process under limits).
+- load.py: a recipe's `rollout.tools` list -> loaded, checked tools, each in a killable worker when it
+  has a time limit; a call that raises, overruns or returns junk becomes a short error result.
+- tags.py: the tag call format of small plain-text models (`<calc>3*18</calc>` -> `<result>54</result>`).
+- trajectories.py: `ToolEngine`, an engine whose `generate` runs the turns: every unfinished trajectory
+  of the step in one engine call per turn, the tools, the environment's reply tokenized once and
+  appended, and a mask that is 1 on the model's tokens and 0 on the environment's (docs/tools.md).
+
+A custom tool is `(argument: str) -> str` (the text between the call tags in, the result text out).
+"""
+
+from grpo_cli.tools.builtin import BUILTIN_TOOLS, ToolFailed, calculator, python
+from grpo_cli.tools.load import LoadedTool, load_tools
+from grpo_cli.tools.tags import TagFormat
+
+__all__ = ["BUILTIN_TOOLS", "LoadedTool", "TagFormat", "ToolFailed", "calculator", "load_tools", "python"]

@@ -1,0 +1,85 @@
+"""The chat call format, for hub chat models: the tools' JSON schemas go into the prompt through the
+tokenizer's chat template (`tools=`), the model calls one in its native syntax,
+`<tool_call>{"name": "calculator", "arguments": {"expression": "3*18"}}</tool_call>` (Qwen2.5 and Hermes
+templates), and the result comes back through the template's `tool` role.
+
+The reply is what the template writes between the end of the model's text and the start of its next
+turn: for Qwen2.5, `<|im_end|>\n<|im_start|>user\n<tool_response>\n54.00\n</tool_response><|im_end|>\n
+<|im_start|>assistant\n`. It is read off the template once (`ChatFormat.from_tokenizer`), by rendering a
+conversation with markers where the model's text and the result go.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from grpo_cli.errors import UsageError
+from grpo_cli.tools.tags import Call
+
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+_MODEL_MARK, _RESULT_MARK = "\u2063MODEL\u2063", "\u2063RESULT\u2063"  # invisible separators no template writes
+
+
+def tool_schema(fn: Any, where: str) -> dict[str, Any]:
+    """The JSON schema a chat template shows the model, from the function's type hints and docstring."""
+    from transformers.utils import get_json_schema
+
+    try:
+        return get_json_schema(fn)
+    except Exception as e:  # DocstringParsingException, TypeHintParsingException
+        raise UsageError(f"{where}: the chat format shows a tool to the model as a JSON schema read off its type "
+                         f"hints and its docstring's Args section; this one cannot be ({' '.join(str(e).split())})"
+                         ) from None
+
+
+def _reply_parts(tokenizer: Any) -> tuple[str, str]:
+    messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": _MODEL_MARK},
+                {"role": "tool", "content": _RESULT_MARK}]
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as e:
+        raise UsageError(f"rollout.tool_format: chat needs a chat template with a tool role; this tokenizer's "
+                         f"failed on one ({' '.join(str(e).split())[:200]})") from None
+    if _MODEL_MARK not in text or _RESULT_MARK not in text:
+        raise UsageError("rollout.tool_format: chat needs a chat template with a tool role; this tokenizer's "
+                         "drops tool messages")
+    return tuple(text[text.index(_MODEL_MARK) + len(_MODEL_MARK):].split(_RESULT_MARK, 1))  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class ChatFormat:
+    names: dict[str, str]  # the name the model calls a tool by (its function's) -> the tool's recipe name
+    reply_before: str  # the template's text between the model's call and a result
+    reply_after: str  # and after the result, through the start of the model's next turn
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer: Any, names: dict[str, str]) -> ChatFormat:
+        return cls(names, *_reply_parts(tokenizer))
+
+    @property
+    def stops(self) -> list[str]:
+        return [CALL_CLOSE]
+
+    def find_call(self, text: str) -> Call | None:
+        """The call `text` ends with; a call the model wrote badly (not JSON, no such tool) is still a call,
+        of a tool named "" whose argument says what was wrong, so the model reads an error and it counts."""
+        if not text.endswith(CALL_CLOSE) or CALL_OPEN not in text:
+            return None
+        body = text[text.rindex(CALL_OPEN) + len(CALL_OPEN): -len(CALL_CLOSE)]
+        try:
+            call = json.loads(body)
+            name, arguments = call["name"], call.get("arguments", {})
+            if isinstance(arguments, str):  # some models write the arguments as a JSON string
+                arguments = json.loads(arguments)
+        except (ValueError, KeyError, TypeError):
+            return Call("", "the call is not JSON of the form {\"name\": ..., \"arguments\": {...}}")
+        if not isinstance(arguments, dict):
+            return Call("", "the call's arguments are not a JSON object")
+        if name not in self.names:
+            return Call("", f"no tool is named {str(name)[:40]!r}; the tools are {', '.join(self.names)}")
+        return Call(self.names[name], arguments)
+
+    def render(self, result: str) -> str:
+        return f"{self.reply_before}{result}{self.reply_after}"

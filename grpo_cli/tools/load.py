@@ -1,0 +1,132 @@
+"""From a recipe's `rollout.tools` list to loaded, checked tools; calling one so that it cannot hurt the run.
+
+A tool is a built-in name (grpo_cli.tools.builtin) or a custom `package.module:function` taking one
+string (the text between its call tags) and returning text. With `timeout_s` (the default) every call
+runs in the tool's killable worker process (the reward workers' machinery, grpo_cli.rewards.worker):
+a call that raises, overruns or returns something other than text becomes a short `error: ...`
+result for the model, and is counted; the run goes on.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from grpo_cli.errors import UsageError
+from grpo_cli.tools.builtin import BUILTIN_TOOLS, ToolFn
+
+MAX_RESULT_CHARS = 4096  # a result is cut to this many characters before it is tokenized (a tool may print 1 MB)
+
+
+@dataclass(frozen=True)
+class LoadedTool:
+    name: str  # as written in the recipe: a built-in name or "module:function"
+    fn: ToolFn
+    open: str  # the model writes open + argument + close to call it
+    close: str
+    timeout_s: float | None  # per call, in the worker; None = in the trainer's process, no limit
+    worker: Any = field(default=None, compare=False, repr=False)  # a RewardWorker when timeout_s is set
+    schema: dict | None = field(default=None, compare=False)  # chat format: the JSON schema the model is shown
+
+
+class ToolResult(NamedTuple):
+    text: str  # what the model reads (a short error text when the call failed)
+    ok: bool  # False: it raised, timed out or returned junk
+
+
+def _load_function(name: str, where: str) -> ToolFn:
+    if name in BUILTIN_TOOLS:
+        return BUILTIN_TOOLS[name]
+    if ":" not in name:
+        raise UsageError(f"{where}: unknown tool '{name}'; built-in: {', '.join(BUILTIN_TOOLS)}, or a custom one "
+                         "as package.module:function")
+    from grpo_cli.rewards.load import import_function  # the same import rules as a reward's
+
+    try:
+        return import_function(name, "tool")
+    except UsageError as e:
+        raise UsageError(f"{where}: {e}") from None
+
+
+def _check_signature(fn: ToolFn, where: str) -> None:
+    """A tag-format tool takes exactly one required argument, the text between its tags."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # some builtins have no signature; let them through
+        return
+    P = inspect.Parameter
+    positional = (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)
+    required = [p for p in params if p.default is P.empty and p.kind in positional]
+    takes_one = bool(params) and params[0].kind in (*positional, P.VAR_POSITIONAL)
+    required_keyword = any(p.kind is P.KEYWORD_ONLY and p.default is P.empty for p in params)
+    if len(required) > 1 or not takes_one or required_keyword:
+        shown = ", ".join(p.name for p in params) or "nothing"
+        raise UsageError(f"{where}: a tool is called with one argument, the text between its tags; this one takes "
+                         f"({shown})")
+
+
+def load_tools(specs: list, tool_format: str = "tags") -> list[LoadedTool]:
+    """The recipe's `rollout.tools` (ToolSpec) -> loaded tools, for `rollout.tool_format`. Fails at the edge,
+    naming the key."""
+    loaded, seen = [], set()
+    for i, spec in enumerate(specs):
+        where = f"rollout.tools[{i}]"
+        fn = _load_function(spec.function, f"{where}.function")
+        schema = None
+        if tool_format == "chat":
+            from grpo_cli.tools.chat import tool_schema
+
+            schema = tool_schema(fn, f"{where}.function")
+        else:
+            _check_signature(fn, f"{where}.function")
+        short = spec.function.rpartition(":")[2]
+        open_, close = spec.open or f"<{short}>", spec.close or f"</{short}>"
+        if not close.strip() or close in seen:
+            raise UsageError(f"{where}.close: '{close}' must be non-blank and differ from every other tool's")
+        seen.add(close)
+        timeout_s = spec.timeout_s
+        if timeout_s is not None and not (math.isfinite(timeout_s) and timeout_s > 0):
+            raise UsageError(f"{where}.timeout_s: {timeout_s} must be > 0 seconds, or null for no limit")
+        worker = None
+        if timeout_s is not None:
+            import functools
+
+            from grpo_cli.rewards.worker import RewardWorker
+
+            worker = RewardWorker(f"tool-{short}", functools.partial(call_each, tool=fn), float(timeout_s))
+        loaded.append(LoadedTool(spec.function, fn, open_, close, timeout_s, worker, schema))
+    return loaded
+
+
+def call_each(arguments: list[str | dict], tool: ToolFn) -> list[Any]:
+    """A worker's call: the tool on each argument (a list, as the reward worker's protocol has it): the
+    text between a tag-format call's tags, or a chat-format call's JSON arguments by name."""
+    return [tool(argument) if isinstance(argument, str) else tool(**argument) for argument in arguments]
+
+
+def call_tool(tool: LoadedTool, argument: str | dict) -> ToolResult:
+    """One call, in the tool's worker under its time limit (or in process without one); never raises."""
+    from grpo_cli.rewards.worker import call_in_process
+
+    if tool.worker is not None:
+        tag, out = tool.worker.call([argument], {})
+    else:
+        tag, out = call_in_process(call_each, [argument], {"tool": tool.fn})
+    if tag != "ok":
+        reason = out.removeprefix("raised ")
+        if reason.startswith("ToolFailed: "):  # the tool's own account of what stopped it
+            return ToolResult(f"error: {reason.removeprefix('ToolFailed: ')}"[:240], False)
+        return ToolResult(f"error: the tool {reason}"[:240], False)
+    value = out[0]
+    if isinstance(value, bool) or not isinstance(value, str | int | float):
+        return ToolResult(f"error: the tool returned {type(value).__name__}, not text", False)
+    return ToolResult(str(value)[:MAX_RESULT_CHARS], True)
+
+
+def close_tools(tools: list[LoadedTool]) -> None:
+    """End the tools' workers (at the end of a run; a killed trainer's workers exit on their own)."""
+    for tool in tools:
+        if tool.worker is not None:
+            tool.worker.close()

@@ -1,0 +1,228 @@
+"""Multi-turn rollouts: the model writes, calls a tool, reads its result, writes on, until it answers.
+
+`ToolEngine` wraps a rollout engine (vLLM or transformers) and has its interface, so the training
+step, held-out evaluation and `grpo eval` run the same loop. Its `generate` advances every sample of
+the call together:
+
+    engine call 0: the P prompts, n = G, the prompts' own seeds, stopping at any tool's close string
+    then, while some trajectory is open: run the tools of the samples that called one, append each
+    reply (tokenized once), and give every open trajectory (prompt + its ids so far) to ONE engine
+    call with n = 1 and a seed per (prompt seed, sample, call)
+
+Token in, token out: the model's sampled ids are kept as sampled and never re-tokenized; the
+environment's reply is tokenized once and appended; the next call continues from those exact ids.
+A trajectory is one token sequence after the prompt, with `model_mask` 1 on the model's tokens and
+0 on the environment's, and the engine's sampling logprob of each model token (0 on the
+environment's). Sampling is a pure function of (seed, step, prompt, sample, call), so a resumed run
+samples the same trajectories, and a sample that never calls a tool is the single-turn sample.
+
+Caps (rollout.*): `max_new_tokens` per model turn, `max_turns` model turns, `max_tool_calls` calls,
+`max_tool_result_tokens` per result, `max_trajectory_tokens` for the whole sequence after the prompt.
+A trajectory stopped by a cap is `truncated` (and counted by the cap that stopped it).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from grpo_cli.rollout import Rollouts, Sampling, WrappedEngine
+from grpo_cli.tools.chat import ChatFormat
+from grpo_cli.tools.load import LoadedTool, ToolResult, call_tool
+from grpo_cli.tools.tags import TagFormat
+
+if TYPE_CHECKING:
+    from grpo_cli.config import RolloutConfig
+    from grpo_cli.rollout import Engine
+
+
+class ToolCaps(NamedTuple):
+    max_turns: int  # model turns in a trajectory (tool calls are at most max_turns - 1)
+    max_tool_calls: int  # tool calls in a trajectory
+    max_tool_result_tokens: int  # tokens of one tool result (cut beyond)
+    max_trajectory_tokens: int  # tokens after the prompt, the model's and the environment's together
+
+
+@dataclass
+class Trajectory:
+    """One sample's conversation so far, after its prompt."""
+
+    ids: list[int] = field(default_factory=list)  # every token after the prompt, as sampled / as tokenized
+    model_mask: list[int] = field(default_factory=list)  # 1 on the model's tokens, 0 on the environment's
+    logprobs: list[float] = field(default_factory=list)  # the engine's sampling logprob (0 on the environment's)
+    segments: list[dict[str, Any]] = field(default_factory=list)  # the turns: {"role": "model"|"tool", "text", ...}
+    turn_text: str = ""  # the model's text since the environment last spoke (a turn may take several calls)
+    turns: int = 1  # model turns begun
+    calls: int = 0  # tool calls made
+    done: bool = False
+    capped: str | None = None  # the cap that stopped it: "turn_tokens" | "trajectory_tokens" | "turns" | "tool_calls"
+
+    def add_model(self, ids: list[int], logprobs: list[float], text: str) -> None:
+        self.ids += ids
+        self.model_mask += [1] * len(ids)
+        self.logprobs += logprobs
+        self.turn_text += text
+        if self.segments and self.segments[-1]["role"] == "model":
+            self.segments[-1]["text"] += text
+        else:
+            self.segments.append({"role": "model", "text": text})
+
+    def add_environment(self, ids: list[int], segment: dict[str, Any]) -> None:
+        self.ids += ids
+        self.model_mask += [0] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+        self.segments.append(segment)
+        self.turn_text = ""
+
+
+def call_seed(prompt_seed: int, sample: int, call: int) -> int:
+    """The seed of engine call `call` >= 1 of sample `sample` of a prompt (call 0 samples the whole group
+    from the prompt's own seed)."""
+    return (prompt_seed * 1_000_003 + sample * 7_919 + call * 104_729 + 1) % (2**31 - 1)
+
+
+def cut_at_stop(ids: list[int], text: str, stops: list[str], decode: Any) -> tuple[int, str] | None:
+    """(k, text of ids[:k]) for the shortest prefix of `ids` whose text holds one of `stops`, or None when
+    `text` (the text of all of `ids`) holds none. vLLM stops there itself (k = len(ids)); transformers'
+    generate does not, so its ids are cut here."""
+    ends = [text.find(s) + len(s) for s in stops if s in text]
+    if not ends:
+        return None
+    lo, hi = 1, len(ids)  # the smallest k whose text holds a stop string
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if any(s in decode(ids[:mid]) for s in stops):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo, decode(ids[:lo])
+
+
+class ToolEngine(WrappedEngine):
+    """A rollout engine whose samples are conversations with tools (module docstring); pushes, scoring and
+    sleep are the inner engine's."""
+
+    def __init__(self, engine: Engine, tools: list[LoadedTool], fmt: TagFormat | ChatFormat, caps: ToolCaps) -> None:
+        super().__init__(engine)
+        self.tools, self.fmt, self.caps = {t.name: t for t in tools}, fmt, caps
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def generate(self, prompt_ids: list[list[int]], sampling: Sampling, seeds: list[int]) -> Rollouts:
+        G, caps, stops = sampling.n, self.caps, self.fmt.stops
+        trajectories = [[Trajectory() for _ in range(G)] for _ in prompt_ids]  # [P][G]
+        turn = sampling._replace(stop=tuple(stops),
+                                 max_new_tokens=min(sampling.max_new_tokens, caps.max_trajectory_tokens))
+        first = self.engine.generate(prompt_ids, turn, seeds)  # [P][G]: the single-turn samples, up to a stop
+        for p, group in enumerate(trajectories):
+            for g, trajectory in enumerate(group):
+                self._absorb(trajectory, first.completion_ids[p][g], first.sampling_logprobs[p][g],
+                             first.truncated[p][g], sampling.max_new_tokens)
+        call = 1
+        while open_ := [(p, g) for p, group in enumerate(trajectories) for g, t in enumerate(group) if not t.done]:
+            budget = max(caps.max_trajectory_tokens - len(trajectories[p][g].ids) for p, g in open_)
+            out = self.engine.generate(
+                [prompt_ids[p] + trajectories[p][g].ids for p, g in open_],
+                turn._replace(n=1, max_new_tokens=min(sampling.max_new_tokens, budget)),
+                [call_seed(seeds[p], g, call) for p, g in open_])  # [R][1]
+            for r, (p, g) in enumerate(open_):
+                self._absorb(trajectories[p][g], out.completion_ids[r][0], out.sampling_logprobs[r][0],
+                             out.truncated[r][0], sampling.max_new_tokens)
+            call += 1
+        return self._rollouts(prompt_ids, trajectories)
+
+    def _absorb(self, t: Trajectory, ids: list[int], logprobs: list[float], truncated: bool, turn_cap: int) -> None:
+        """One engine call's output into its trajectory: the model's tokens (cut at a stop string, and to the
+        trajectory budget), then the tool's reply when the turn ended in a call, or the end."""
+        text = self._decode(ids)
+        if cut := cut_at_stop(ids, text, self.fmt.stops, self._decode):
+            (k, text), truncated = cut, False
+            ids, logprobs = ids[:k], logprobs[:k]
+        room = self.caps.max_trajectory_tokens - len(t.ids)
+        if len(ids) > room:  # the batch's call was sized for its longest budget
+            ids, logprobs, text, truncated = ids[:room], logprobs[:room], self._decode(ids[:room]), True
+        t.add_model(ids, logprobs, text)
+        if truncated or not cut:  # the turn hit its token cap, or ended (end of sequence) without a call
+            t.done = True
+            if truncated:
+                t.capped = "trajectory_tokens" if len(t.ids) >= self.caps.max_trajectory_tokens else "turn_tokens"
+            return
+        if len(t.ids) >= self.caps.max_trajectory_tokens:
+            t.done, t.capped = True, "trajectory_tokens"
+            return
+        found = self.fmt.find_call(t.turn_text)
+        if found is None:  # a close string with no open string before it: not a call, the turn goes on
+            return
+        if t.turns >= self.caps.max_turns or t.calls >= self.caps.max_tool_calls:
+            t.done, t.capped = True, "turns" if t.turns >= self.caps.max_turns else "tool_calls"
+            return
+        self._reply(t, found.tool, found.argument)
+
+    def _reply(self, t: Trajectory, tool_name: str, argument: str | dict) -> None:
+        """Run the tool and append its reply, tokenized once (its result cut to max_tool_result_tokens). A
+        call the model wrote badly (tool "") gets the reason as an error, and counts as failed."""
+        result = call_tool(self.tools[tool_name], argument) if tool_name else ToolResult(f"error: {argument}", False)
+        result_ids = self.tokenizer(result.text, add_special_tokens=False)["input_ids"]
+        text = result.text
+        if len(result_ids) > self.caps.max_tool_result_tokens:
+            text = self._decode(result_ids[: self.caps.max_tool_result_tokens])
+        reply = self.fmt.render(text)
+        ids = self.tokenizer(reply, add_special_tokens=False)["input_ids"]
+        room = self.caps.max_trajectory_tokens - len(t.ids)
+        t.calls += 1
+        t.add_environment(ids[:room], {"role": "tool", "tool": tool_name, "argument": argument, "result": text,
+                                       "ok": result.ok, "text": reply})
+        if len(ids) >= room:  # the reply filled the budget: no room for the model to read and answer
+            t.done, t.capped = True, "trajectory_tokens"
+        else:
+            t.turns += 1
+
+    def _rollouts(self, prompt_ids: list[list[int]], trajectories: list[list[Trajectory]]) -> Rollouts:
+        texts = [[self._decode(t.ids) for t in group] for group in trajectories]  # [P][G] with the tool results
+        rollouts = Rollouts(prompt_ids, [[t.ids for t in group] for group in trajectories],
+                            [[t.logprobs for t in group] for group in trajectories], texts,
+                            [[t.capped is not None for t in group] for group in trajectories])
+        rollouts.model_mask = [[t.model_mask for t in group] for group in trajectories]
+        rollouts.segments = [[t.segments for t in group] for group in trajectories]
+        rollouts.capped = [[t.capped for t in group] for group in trajectories]
+        return rollouts
+
+
+def tool_metrics(rollouts: Rollouts) -> dict[str, float]:
+    """Per-sample means of a step's (or held-out set's) trajectories: tool calls (all, per tool that was
+    called, failed), the share of samples that call one, model turns, model and environment tokens, and
+    the share stopped by each cap."""
+    samples = [(segments, mask, capped) for seg_group, mask_group, cap_group in
+               zip(rollouts.segments, rollouts.model_mask, rollouts.capped)
+               for segments, mask, capped in zip(seg_group, mask_group, cap_group)]
+    n = max(len(samples), 1)
+    calls = [s for segments, _, _ in samples for s in segments if s["role"] == "tool"]
+    per_tool = Counter(s["tool"] for s in calls if s["tool"])  # "": a call written badly, of no tool
+    caps = Counter(capped for _, _, capped in samples if capped)
+    metrics = {
+        "tools/calls_per_sample": len(calls) / n,
+        "tools/failed_per_sample": sum(not s["ok"] for s in calls) / n,
+        "tools/call_share": sum(any(s["role"] == "tool" for s in segments) for segments, _, _ in samples) / n,
+        "tools/turns_per_sample": sum(sum(s["role"] == "model" for s in segments) for segments, _, _ in samples) / n,
+        "tools/model_tokens": sum(sum(mask) for _, mask, _ in samples) / n,
+        "tools/env_tokens": sum(len(mask) - sum(mask) for _, mask, _ in samples) / n,
+        **{f"tools/calls/{name}": count / n for name, count in sorted(per_tool.items())},
+        **{f"tools/capped/{cap}": caps[cap] / n for cap in ("turn_tokens", "trajectory_tokens", "turns", "tool_calls")},
+    }
+    return metrics
+
+
+def with_tools(engine: Engine, tools: list[LoadedTool], rollout: RolloutConfig) -> Engine:
+    """`engine` itself without tools; with them, a ToolEngine over it with the recipe's format and caps."""
+    if not tools:
+        return engine
+    fmt: TagFormat | ChatFormat
+    if rollout.tool_format == "chat":
+        fmt = ChatFormat.from_tokenizer(engine.tokenizer, {t.schema["function"]["name"]: t.name for t in tools})
+    else:
+        fmt = TagFormat(tuple((t.name, t.open, t.close) for t in tools), *rollout.tool_result_tags)
+    caps = ToolCaps(rollout.max_turns, rollout.max_tool_calls, rollout.max_tool_result_tokens,
+                    rollout.trajectory_tokens)
+    return ToolEngine(engine, tools, fmt, caps)

@@ -1,0 +1,462 @@
+"""Tools and multi-turn rollouts: the calculator, the tag format, loading and its errors, tools that
+misbehave, the turn loop's caps and masks, zero gradient on the tools' tokens, and real training steps
+of a tool run on vLLM.
+
+The hostile tools below run in real spawned worker processes (imported there by name).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from grpo_cli.config import ConfigError, RolloutConfig, ToolSpec
+from grpo_cli.errors import UsageError
+from grpo_cli.rollout import Rollouts, Sampling
+from grpo_cli.tools import TagFormat, calculator, load_tools
+from grpo_cli.tools.load import MAX_RESULT_CHARS, call_tool
+from grpo_cli.tools.trajectories import ToolCaps, ToolEngine, cut_at_stop, tool_metrics, with_tools
+
+
+def sleeps(argument):
+    time.sleep(60)
+    return "late"
+
+
+def raises(argument):
+    raise RuntimeError(f"cannot handle {argument}")
+
+
+def prints_a_megabyte(argument):
+    print("x" * 2**20)
+    return "y" * 2**20
+
+
+def returns_a_dict(argument):
+    return {"value": argument}
+
+
+def two_arguments(a, b):
+    return a + b
+
+
+def upper(argument):
+    return argument.upper()
+
+
+# The shipped bike model writes lines like "subtotal: 60.00 + 8.00 = 68.00". With the calculator called
+# between "subtotal: " and " = " and its result written bare, the environment computes the subtotal: a
+# real 2-3 turn tool task for the shipped model (the other " = " of a solution are not calls).
+SUBTOTAL_TOOL = ["rollout.tools=[{function:calculator,open:'subtotal: ',close:' = ',timeout_s:null}]",
+                 "rollout.tool_result_tags=['','']", "rollout.max_turns=3", "rollout.max_trajectory_tokens=200"]
+
+
+# ------------------------------------------------------------------------------------------- the parts
+
+
+@pytest.mark.parametrize("expression, result", [
+    ("3*18", "54.00"), ("3 x 18.5", "55.50"), ("(72.00 + 5.00) * 0.9", "69.30"), ("1/8", "0.13"), ("10 - 12.5", "-2.50"),
+])
+def test_calculator_is_exact_to_two_decimals(expression, result):
+    assert calculator(expression) == result
+
+
+@pytest.mark.parametrize("hostile", [
+    "1/0", "9**9**9", "__import__('os').system('true')", "2^64", "(" * 5000 + "1" + ")" * 5000, "9" * 10**6, "", "1 +",
+])
+def test_calculator_answers_hostile_input_with_a_short_error(hostile):
+    started = time.monotonic()
+    assert calculator(hostile).startswith("error: ")
+    assert time.monotonic() - started < 1.0
+
+
+def test_tag_format_finds_the_call_a_turn_ends_with():
+    fmt = TagFormat((("calculator", "<calc>", "</calc>"), ("search", "<q>", "</q>")))
+    assert fmt.stops == ["</calc>", "</q>"]
+    assert fmt.find_call("price: <calc>3*18</calc>") == ("calculator", "3*18")
+    assert fmt.find_call("<calc>1</calc> then <calc>2+2</calc>") == ("calculator", "2+2")  # the last open string
+    assert fmt.find_call("no open string here</calc>") is None
+    assert fmt.find_call("<calc>3*18") is None  # not ended by a close string
+    assert fmt.render("54.00") == "<result>54.00</result>"
+
+
+def test_cut_at_stop_keeps_the_shortest_prefix_holding_a_stop(shipped_model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(shipped_model_dir)
+    decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
+    ids = tok("subtotal: 3 + 4 = 7.00\nAnswer: 7.00", add_special_tokens=False)["input_ids"]
+    k, text = cut_at_stop(ids, decode(ids), [" = "], decode)
+    assert text.endswith(" = ") or " = " in text
+    assert " = " not in decode(ids[:k - 1]) and text == decode(ids[:k])
+    assert cut_at_stop(ids, decode(ids), ["</calc>"], decode) is None
+
+
+@pytest.mark.parametrize("spec, message", [
+    (ToolSpec(function="calculater"), "rollout.tools[0].function: unknown tool 'calculater'"),
+    (ToolSpec(function="no_such_module:f"), "rollout.tools[0].function: tool 'no_such_module:f': cannot import"),
+    (ToolSpec(function="test_tools:two_arguments"), "called with one argument, the text between its tags"),
+    (ToolSpec(function="calculator", timeout_s=0), "rollout.tools[0].timeout_s: 0 must be > 0"),
+])
+def test_a_bad_tool_is_named_before_any_model_loads(spec, message):
+    with pytest.raises(UsageError, match=re.escape(message)):
+        load_tools([spec])
+
+
+def test_two_tools_with_one_close_string_are_refused():
+    with pytest.raises(UsageError, match=r"rollout.tools\[1\].close: '</c>' must be non-blank and differ"):
+        load_tools([ToolSpec(function="calculator", open="<c>", close="</c>"),
+                    ToolSpec(function="test_tools:upper", open="<u>", close="</c>")])
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"max_turns": 1}, "rollout.max_turns: is 1; with tools a trajectory needs >= 2"),
+    ({"max_trajectory_tokens": 8}, "rollout.max_trajectory_tokens: 8 is below rollout.max_new_tokens=64"),
+    ({"tensor_parallel_size": 2}, "rollout.tensor_parallel_size: tools run on each rank"),
+    ({"tool_result_tags": ["<r>"]}, "rollout.tool_result_tags: has 1 strings"),
+])
+def test_tool_settings_that_cannot_work_are_refused(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        RolloutConfig(tools=[ToolSpec(function="calculator")], **overrides)
+
+
+def test_tools_that_raise_hang_or_flood_give_the_model_a_short_error_and_the_run_goes_on():
+    slow, boom, flood, junk, fine = load_tools([
+        ToolSpec(function="test_tools:sleeps", timeout_s=1.0), ToolSpec(function="test_tools:raises"),
+        ToolSpec(function="test_tools:prints_a_megabyte"), ToolSpec(function="test_tools:returns_a_dict"),
+        ToolSpec(function="test_tools:upper", timeout_s=None)])
+    started = time.monotonic()
+    late = call_tool(slow, "1")
+    assert not late.ok and "timed out after 1 s" in late.text
+    assert time.monotonic() - started < 10  # the worker's start (imports) plus the 1 s limit, not 60 s
+    raised = call_tool(boom, "x")
+    assert not raised.ok and raised.text.startswith("error: the tool RuntimeError: cannot handle x")
+    big = call_tool(flood, "x")
+    assert big.ok and len(big.text) == MAX_RESULT_CHARS
+    assert call_tool(junk, "x") == ("error: the tool returned dict, not text", False)
+    assert call_tool(fine, "abc") == ("ABC", True)  # in process, no worker
+    assert call_tool(slow, "again").ok is False  # a fresh worker after the kill, killed again
+    for tool in (slow, boom, flood, junk):
+        tool.worker.close()
+
+
+@pytest.mark.parametrize("code, reply", [
+    ("while True: pass", "error: stopped: over 1 s of CPU time"),
+    ("import time; time.sleep(60)", "error: stopped: over 2 s of wall time"),
+    ("x = []\nwhile True: x.append(bytearray(10**7))", "MemoryError"),
+    ("print('a' * 10**6)", "error: stopped: over 16 KiB of output"),
+    ("1/0", "ZeroDivisionError"),
+])
+def test_python_code_that_runs_away_is_stopped_within_its_limits_and_counted(monkeypatch, code, reply):
+    from grpo_cli.tools import builtin
+
+    monkeypatch.setattr(builtin, "PYTHON_CPU_SECONDS", 1)
+    monkeypatch.setattr(builtin, "PYTHON_WALL_SECONDS", 2.0)
+    tool, = load_tools([ToolSpec(function="python", timeout_s=None)])
+    started = time.monotonic()
+    result = call_tool(tool, code)
+    assert not result.ok and result.text.startswith("error: ") and reply in result.text
+    assert time.monotonic() - started < 5
+
+
+def test_python_runs_in_an_empty_directory_without_the_trainers_secrets(monkeypatch, tmp_path):
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-secret")
+    monkeypatch.setenv("HF_TOKEN", "hf-secret")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "notes.txt").write_text("private")
+    tool, = load_tools([ToolSpec(function="python", timeout_s=None)])
+    result = call_tool(tool, "import os, json; print(json.dumps([sorted(os.environ), os.listdir('.'), 6 * 7]))")
+    names, files, value = json.loads(result.text)
+    assert result.ok and value == 42 and files == []
+    assert "OPENAI_API_KEY" not in names and "HF_TOKEN" not in names
+
+
+# ------------------------------------------------------------------------------------ the turn loop
+
+
+class ScriptedEngine:
+    """An engine that writes given texts, one per call (a test double for the turn loop's bookkeeping: the
+    caps need outputs chosen in advance). One prompt, one sample; logprobs are -1 on every token it writes."""
+
+    def __init__(self, tokenizer, texts):
+        self.tokenizer, self.texts, self.requests = tokenizer, texts, []
+
+    def generate(self, prompt_ids, sampling, seeds):
+        assert len(prompt_ids) * sampling.n <= 1
+        self.requests.append((len(prompt_ids), sampling.n, sampling.stop, sampling.max_new_tokens))
+        text = self.texts[len(self.requests) - 1]
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"][: sampling.max_new_tokens]
+        return Rollouts(prompt_ids, [[ids]], [[[-1.0] * len(ids)]], [[text]], [[len(ids) == sampling.max_new_tokens]])
+
+
+@pytest.fixture
+def tokenizer(shipped_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(shipped_model_dir)
+
+
+def run_scripts(tokenizer, texts, caps, result_tags=("<result>", "</result>")):
+    """One prompt, one sample, written by `texts`: the text of each engine call in turn."""
+    engine = ScriptedEngine(tokenizer, texts)
+    tools = load_tools([ToolSpec(function="calculator", open="<calc>", close="</calc>", timeout_s=None)])
+    fmt = TagFormat((("calculator", "<calc>", "</calc>"),), *result_tags)
+    out = ToolEngine(engine, tools, fmt, caps).generate([tokenizer("Q:", add_special_tokens=False)["input_ids"]],
+                                                        Sampling(1, 1.0, 1.0, 48), [7])
+    return out, engine
+
+
+CAPS = ToolCaps(max_turns=3, max_tool_calls=2, max_tool_result_tokens=8, max_trajectory_tokens=120)
+
+
+def test_a_trajectory_is_the_model_tokens_as_sampled_and_each_reply_tokenized_once(tokenizer):
+    out, engine = run_scripts(tokenizer, [" cost: <calc>3*18</calc>", "\nAnswer: 54.00"], CAPS)
+    ids, mask, lps = out.completion_ids[0][0], out.model_mask[0][0], out.sampling_logprobs[0][0]
+    first = tokenizer(" cost: <calc>3*18</calc>", add_special_tokens=False)["input_ids"]
+    reply = tokenizer("<result>54.00</result>", add_special_tokens=False)["input_ids"]
+    last = tokenizer("\nAnswer: 54.00", add_special_tokens=False)["input_ids"]
+    assert ids == first + reply + last  # token in, token out: nothing re-tokenized
+    assert mask == [1] * len(first) + [0] * len(reply) + [1] * len(last)
+    assert all(lp == 0.0 for lp, m in zip(lps, mask) if m == 0) and all(lp < 0 for lp, m in zip(lps, mask) if m)
+    assert out.texts[0][0] == " cost: <calc>3*18</calc><result>54.00</result>\nAnswer: 54.00"
+    assert [s["role"] for s in out.segments[0][0]] == ["model", "tool", "model"]
+    assert out.tool_calls() == [[{"tool": "calculator", "argument": "3*18", "result": "54.00", "ok": True}]]
+    assert out.truncated == [[False]] and out.capped == [[None]]
+    assert out.model_tokens() == [len(first) + len(last)]
+    assert engine.requests[0][2] == ("</calc>",)  # every call stops at the close string
+    assert engine.requests[1][:2] == (1, 1)  # the second call: the one open trajectory, n = 1
+    metrics = tool_metrics(out)
+    assert metrics["tools/calls_per_sample"] == 1 and metrics["tools/turns_per_sample"] == 2
+    assert metrics["tools/env_tokens"] == len(reply) and metrics["tools/calls/calculator"] == 1
+
+
+def test_the_turn_cap_ends_a_trajectory_that_keeps_calling(tokenizer):
+    out, _ = run_scripts(tokenizer, ["<calc>1+1</calc>", "<calc>2+2</calc>", "<calc>3+3</calc>", "never"],
+                         CAPS._replace(max_tool_calls=5))
+    assert [s["role"] for s in out.segments[0][0]] == ["model", "tool", "model", "tool", "model"]
+    assert out.capped == [["turns"]] and out.truncated == [[True]]  # the third turn's call gets no reply
+
+
+def test_the_call_cap_and_the_trajectory_cap(tokenizer):
+    out, _ = run_scripts(tokenizer, ["<calc>1+1</calc>", "<calc>2+2</calc>", "never"], CAPS._replace(max_tool_calls=1))
+    assert out.capped == [["tool_calls"]]
+    out, _ = run_scripts(tokenizer, ["<calc>1+1</calc>", " and on and on and on and on and on and on"],
+                         CAPS._replace(max_trajectory_tokens=24))
+    assert out.capped == [["trajectory_tokens"]] and len(out.completion_ids[0][0]) == 24
+
+
+def test_a_long_result_is_cut_to_its_token_cap(tokenizer):
+    product = "99999999999*99999999999"
+    out, _ = run_scripts(tokenizer, [f"<calc>{product}</calc>", "\nAnswer: 1"], CAPS._replace(max_tool_result_tokens=4))
+    result = out.segments[0][0][1]["result"]
+    assert len(tokenizer(result, add_special_tokens=False)["input_ids"]) == 4 and calculator(product).startswith(result)
+
+
+def test_a_close_string_without_its_open_string_is_not_a_call(tokenizer):
+    out, engine = run_scripts(tokenizer, [" total</calc>", " still writing", "x"], CAPS)
+    assert [s["role"] for s in out.segments[0][0]] == ["model"]  # one turn, written over two engine calls
+    assert out.segments[0][0][0]["text"] == " total</calc> still writing" and len(engine.requests) == 2
+
+
+def test_with_tools_leaves_an_engine_without_tools_alone(tokenizer):
+    engine = ScriptedEngine(tokenizer, [])
+    assert with_tools(engine, [], RolloutConfig()) is engine
+
+
+# ------------------------------------------------------------------------------------ the chat format
+
+
+@pytest.fixture
+def tool_tokenizer():
+    from conftest import tool_chat_tokenizer
+
+    return tool_chat_tokenizer()
+
+
+def test_the_chat_format_reads_its_reply_off_the_template_and_parses_native_calls(tool_tokenizer):
+    from grpo_cli.tools.chat import ChatFormat
+
+    fmt = ChatFormat.from_tokenizer(tool_tokenizer, {"calculator": "calculator"})
+    assert fmt.render("54.00") == "<|im_end|>\n<|im_start|>user\n<tool_response>\n54.00\n</tool_response><|im_end|>\n" \
+                                  "<|im_start|>assistant\n"
+    assert fmt.stops == ["</tool_call>"]
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "3*18"}}</tool_call>'
+    assert fmt.find_call("Let me compute. " + call) == ("calculator", {"expression": "3*18"})
+    as_string = '<tool_call>{"name": "calculator", "arguments": "{\\"expression\\": \\"1+1\\"}"}</tool_call>'
+    assert fmt.find_call(as_string) == ("calculator", {"expression": "1+1"})
+    assert fmt.find_call("<tool_call>{not json</tool_call>")[0] == ""  # a call, of no tool: the model reads why
+    assert "no tool is named 'search'" in fmt.find_call('<tool_call>{"name": "search"}</tool_call>')[1]
+    assert fmt.find_call("no call at all") is None
+
+
+def test_a_template_without_a_tool_role_is_refused(shipped_model_dir):
+    from transformers import AutoTokenizer
+
+    from grpo_cli.tools.chat import ChatFormat
+
+    tok = AutoTokenizer.from_pretrained(shipped_model_dir)
+    tok.chat_template = "{% for m in messages %}{% if m['role'] != 'tool' %}{{ m['content'] }}{% endif %}{% endfor %}"
+    with pytest.raises(UsageError, match="rollout.tool_format: chat needs a chat template with a tool role"):
+        ChatFormat.from_tokenizer(tok, {"calculator": "calculator"})
+
+
+def test_a_chat_tool_needs_a_schema_and_the_chat_template():
+    with pytest.raises(UsageError, match=r"rollout.tools\[0\].function: the chat format shows a tool .* JSON schema"):
+        load_tools([ToolSpec(function="test_tools:upper")], "chat")  # no type hints, no Args section
+    tool, = load_tools([ToolSpec(function="calculator")], "chat")
+    assert tool.schema["function"]["name"] == "calculator"
+    assert tool.schema["function"]["parameters"]["required"] == ["expression"]
+    tool.worker.close()
+    from grpo_cli.cli import load_config
+
+    with pytest.raises((ConfigError, UsageError), match="rollout.tool_format: chat shows the tools through the chat"):
+        load_config("train", ["recipe=bike_pricing", "rollout.tools=[{function:calculator}]", "rollout.tool_format=chat"])
+
+
+def test_a_chat_trajectory_continues_through_the_templates_tool_role(tool_tokenizer):
+    from grpo_cli.tools.chat import ChatFormat
+
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "3*18"}}</tool_call>'
+    engine = ScriptedEngine(tool_tokenizer, [call, "<answer>54</answer>"])
+    tools = load_tools([ToolSpec(function="calculator", timeout_s=None)], "chat")
+    fmt = ChatFormat.from_tokenizer(tool_tokenizer, {"calculator": "calculator"})
+    out = ToolEngine(engine, tools, fmt, CAPS._replace(max_trajectory_tokens=400)).generate(
+        [tool_tokenizer("Q", add_special_tokens=False)["input_ids"]], Sampling(1, 1.0, 1.0, 120), [1])
+    reply = fmt.render("54.00")
+    assert out.completion_ids[0][0] == (tool_tokenizer(call, add_special_tokens=False)["input_ids"]
+                                        + tool_tokenizer(reply, add_special_tokens=False)["input_ids"]
+                                        + tool_tokenizer("<answer>54</answer>", add_special_tokens=False)["input_ids"])
+    assert out.tool_calls() == [[{"tool": "calculator", "argument": {"expression": "3*18"}, "result": "54.00",
+                                  "ok": True}]]
+    assert engine.requests[0][2] == ("</tool_call>",)
+
+
+@pytest.mark.slow
+def test_gsm8k_tools_runs_end_to_end_with_native_calls(tmp_path, tiny_tool_model_dir):
+    """`grpo train recipe=gsm8k_tools` on local rows and the tiny tool model (transformers engine): the
+    prompts show the calculator's schema, the model's <tool_call>s are parsed and answered through the
+    template's tool role, and the calls reach the rewards' completions."""
+    from grpo_cli import train
+    from grpo_cli.cli import load_config
+
+    fixtures = Path(__file__).parent / "fixtures"
+    cfg = load_config("train", ["recipe=gsm8k_tools", f"output_dir={tmp_path}", f"model.name_or_path={tiny_tool_model_dir}",
+                                f"data.source={fixtures / 'gsm8k_train.jsonl'}",
+                                f"data.heldout_source={fixtures / 'gsm8k_test.jsonl'}", "data.num_heldout=4",
+                                "eval.num_problems=4", "model.dtype=float32", "rollout.engine=hf",
+                                "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=90",
+                                "rollout.temperature=0.2", "eval.temperature=0.2",  # the tiny model's call, near greedy
+                                "rollout.max_trajectory_tokens=300", "trainer.steps=2", "eval.every=2",
+                                "checkpoint.every=0", "rollout.push_check_every=1", "logging.samples_every=1"])
+    assert train.run(cfg, tmp_path / "run") == 0
+    steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    trained = [m for m in steps if m["step"] > 0]
+    assert all(m["tools/calls/calculator"] >= 0.5 for m in trained)  # native calls, parsed and run
+    samples = [json.loads(line) for line in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
+    answered = [t for s in samples for t in s["turns"] if t["role"] == "tool" and t["ok"]]
+    assert answered and all(t["tool"] == "calculator" and t["argument"] == {"expression": "2+3"} for t in answered)
+    assert all(t["result"] == "5.00" and t["text"] == "<|im_end|>\n<|im_start|>user\n<tool_response>\n5.00\n"
+               "</tool_response><|im_end|>\n<|im_start|>assistant\n" for t in answered)  # through the tool role
+    assert '"name": "calculator"' in samples[0]["prompt"]  # the schema, shown by the template
+
+
+# ------------------------------------------------------------------------------ the update on trajectories
+
+
+def test_tool_tokens_are_attended_but_get_exactly_zero_gradient(tiny_model_dir):
+    """The loss of every aggregation sees the tools' tokens as context only: the gradient reaching their
+    logprobs is exactly 0, and changing a tool token changes the logprob of the model's tokens after it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from grpo_cli import grpo, passes
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).float()
+    prompt_ids = torch.tensor([[5, 6, 7, 8]])  # [1, Tp]
+    ids = torch.tensor([[10, 11, 12, 13, 14, 15, 16, 17], [20, 21, 22, 23, 24, 25, 26, 27]])  # [2, Tc]
+    mask = torch.tensor([[1, 1, 0, 0, 0, 1, 1, 1], [1, 0, 0, 1, 1, 1, 0, 0]], dtype=torch.float32)  # model tokens
+    attended = torch.tensor([[1] * 8, [1, 1, 1, 1, 1, 1, 0, 0]], dtype=torch.float32)  # row 2: 2 pads
+    index = torch.tensor([0, 0])
+
+    def logprobs(token_ids):
+        states = passes.prompt_states(model, prompt_ids, torch.ones_like(prompt_ids, dtype=torch.float32))
+        return passes.completion_logprobs(model, states, index, token_ids, attended)  # [2, Tc]
+
+    for loss_name in grpo.LOSSES:
+        params = grpo.LossParams(kl_coef=0.1, max_new_tokens=8)
+        logps = logprobs(ids)
+        logps.retain_grad()
+        ref = logps.detach() - 0.05
+        inputs = grpo.LossInputs(logps, mask, torch.tensor([[1.0], [-0.5]]), old_logprobs=logps.detach() + 0.01,
+                                 ref_logprobs=ref, sampling_logprobs=logps.detach(),
+                                 normalizer=grpo.NORMALIZERS[loss_name](mask, params))
+        loss, _ = grpo.LOSSES[loss_name](inputs, params)
+        loss.backward()
+        assert torch.all(logps.grad[mask == 0] == 0), loss_name
+        assert torch.any(logps.grad[mask == 1] != 0), loss_name
+        model.zero_grad()
+    with torch.no_grad():
+        changed = ids.clone()
+        changed[0, 3] = 99  # a tool token of row 1
+        before, after = logprobs(ids), logprobs(changed)
+    assert not torch.equal(before[0, 5:], after[0, 5:])  # the model's later tokens read the tool's
+
+
+def test_the_train_batch_masks_tool_tokens_out_of_the_loss_and_the_normalizer():
+    import torch
+
+    from grpo_cli.batch import TrainBatch
+    from grpo_cli.collect import Groups
+    from grpo_cli.config import TrainerConfig
+    from grpo_cli.dist import Dist
+    from grpo_cli.grpo import LossParams
+    from grpo_cli.rewards import RewardFailures, Scores
+
+    rollouts = Rollouts([[1, 2]], [[[3, 4, 5, 6, 7], [8, 9]]], [[[-1.0, -1.0, 0.0, 0.0, -1.0], [-1.0, -1.0]]],
+                        [["a", "b"]], [[False, False]], model_mask=[[[1, 1, 0, 0, 1], [1, 1]]],
+                        segments=[[[], []]], capped=[[None, None]])
+    groups = Groups([{}], [[1, 2]], rollouts, Scores([1.0, 0.0], {"correct": [1.0, 0.0]}, [False, False]),
+                    RewardFailures(), torch.tensor([[1.0, 0.0]]), torch.tensor([[1.0, -1.0]]),
+                    torch.tensor([False]), torch.tensor([False]), torch.tensor([True]),
+                    dropped=torch.tensor([[False, False]]))
+    dist = Dist.init("cpu")
+    batch = TrainBatch.build(groups, 0, TrainerConfig(loss="token_mean"), dist, LossParams(max_new_tokens=5))
+    mb = batch.micro_batches[0]
+    long = mb.rows.index(0)
+    assert mb.mask[long].tolist() == [1, 1, 0, 0, 1] and mb.attended[long].tolist() == [1, 1, 1, 1, 1]
+    assert mb.mask[1 - long].tolist() == [1, 1, 0, 0, 0] and mb.attended[1 - long].tolist() == [1, 1, 0, 0, 0]
+    assert batch.minibatches[0].normalizer == 5  # token_mean: the model's 3 + 2 tokens, not 7
+
+
+# ----------------------------------------------------------------------------------- a real tool run
+
+
+def test_a_tool_run_trains_on_vllm_with_trajectories_of_several_turns(tmp_path, vllm_engine, shipped_weights):
+    """Three real steps of the bike task with the subtotal tool on the session's vLLM engine: trajectories of
+    2-3 turns, tool results in completions.jsonl, the push check passing at every step."""
+    from grpo_cli import train
+    from grpo_cli.cli import load_config
+
+    cfg = load_config("train", ["recipe=bike_pricing", "trainer.steps=3", "rollout.prompts_per_step=4",
+                                "rollout.group_size=4", "eval.num_problems=8", "eval.every=3", "checkpoint.every=0",
+                                "rollout.push_check_every=1", "logging.samples_every=1", f"output_dir={tmp_path}",
+                                *SUBTOTAL_TOOL])
+    try:
+        assert train.run(cfg, tmp_path / "run", engine=vllm_engine) == 0
+    finally:
+        vllm_engine.push_weights(shipped_weights.items())
+    steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    trained = [m for m in steps if m["step"] > 0]
+    assert len(trained) == 3
+    assert all(m["tools/calls_per_sample"] > 0 and 1 < m["tools/turns_per_sample"] <= 3 for m in trained)
+    assert all(m["tools/env_tokens"] > 0 and m["push_check/max_abs_diff"] < 1e-3 for m in trained)
+    assert "eval/tools/calls_per_sample" in steps[-1]  # held-out pass@1 with the tools too
+    samples = [json.loads(line) for line in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
+    tool_turns = [t for s in samples for t in s["turns"] if t["role"] == "tool"]
+    assert tool_turns and all(t["tool"] == "calculator" and t["text"] in s["completion"]
+                              for s in samples for t in s["turns"] if t["role"] == "tool")

@@ -42,7 +42,7 @@ class Rollouts:
 
     prompt_ids: list[list[int]]  # [P] prompt token ids
     completion_ids: list[list[list[int]]]  # [P][G] sampled completion token ids
-    sampling_logprobs: list[list[list[float]]]  # [P][G][T_i] engine's logprob of each sampled token
+    sampling_logprobs: list[list[list[float]]]  # [P][G][T_i] each sampled token's logprob, after the temperature
     texts: list[list[str]]  # [P][G] decoded completions
     truncated: list[list[bool]]  # [P][G] stopped by max_new_tokens (or a tool run's cap) instead of end-of-sequence
     # With tools (grpo_cli.tools.trajectories) a completion is a trajectory: the model's tokens and the
@@ -187,6 +187,11 @@ class VLLMEngine:
             seed=seed,
             max_model_len=max_model_len(model_path, model),
             enable_prefix_caching=True,
+            # The logprob of each sampled token under the distribution it was sampled from (after the
+            # temperature), which is what the trainer computes (its logits / rollout.temperature). vLLM's
+            # default, raw_logprobs, is the log-softmax before the temperature: at any temperature but 1 the
+            # mismatch metric, tis and seq_mask would compare two different distributions.
+            logprobs_mode="processed_logprobs",
             use_tqdm_on_load=show_progress,  # its weight-loading bar ignores TQDM_DISABLE
             **kwargs,
         )
@@ -300,11 +305,13 @@ class HFEngine:
                     input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=True,
                     temperature=sampling.temperature, top_p=sampling.top_p, top_k=0,
                     max_new_tokens=sampling.max_new_tokens,
-                    eos_token_id=eos, pad_token_id=pad, output_logits=True, return_dict_in_generate=True,
+                    eos_token_id=eos, pad_token_id=pad, output_scores=True, return_dict_in_generate=True,
                 )
             new = out.sequences[:, len(ids):]  # [G, T_new]
-            raw = torch.stack(out.logits, dim=1).float().log_softmax(-1)  # [G, T_new, V]
-            token_lp = raw.gather(-1, new[..., None])[..., 0]  # [G, T_new]
+            # the scores are the logits after the temperature (and top_p): the distribution sampled from, as
+            # the vLLM engine reports it and the trainer computes it
+            sampled_from = torch.stack(out.scores, dim=1).float().log_softmax(-1)  # [G, T_new, V]
+            token_lp = sampled_from.gather(-1, new[..., None])[..., 0]  # [G, T_new]
             group_ids, group_lp, group_text, group_trunc = [], [], [], []
             for row, row_lp in zip(new.tolist(), token_lp.tolist()):
                 length = row.index(eos) + 1 if eos in row else len(row)

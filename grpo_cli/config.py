@@ -339,6 +339,10 @@ class TrainConfig:
         _require(not (self.rollout.tools and self.rollout.engine == "hf" and world > 1), "rollout.tools",
                  "with rollout.engine=hf at several processes each rank's generate gathers the sharded policy, and "
                  "ranks whose trajectories take different numbers of turns would not pair up; use rollout.engine=vllm")
+        device = self.trainer.device
+        _require(not (device.startswith("cuda:") and device != "cuda:0" and self.rollout.engine == "vllm"),
+                 "trainer.device", f"{device}: the vLLM engine would still start on GPU 0; pick the GPU with "
+                 f"CUDA_VISIBLE_DEVICES={device.partition(':')[2]} and trainer.device=cuda")
         _require(self.eval.num_problems <= self.data.num_heldout, "eval.num_problems",
                  f"{self.eval.num_problems} exceeds data.num_heldout={self.data.num_heldout}")
 

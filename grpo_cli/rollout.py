@@ -153,12 +153,27 @@ def prefill_waves(prompt_lens: list[int], n: int, token_budget: int, seq_budget:
     return [w for w in waves if w]
 
 
+def in_process_engine_env() -> str | None:
+    """Keep vLLM's engine core in this process (the weight push hands it tensors by reference), whatever
+    the environment says: an inherited VLLM_ENABLE_V1_MULTIPROCESSING=1 would start it in a subprocess
+    and break the push. Returns a note when a value was overridden."""
+    previous = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if previous not in (None, "0"):
+        import logging
+
+        note = f"VLLM_ENABLE_V1_MULTIPROCESSING={previous} ignored: the engine runs in this process (weight push)"
+        logging.getLogger("grpo_cli.rollout").warning(note)
+        return note
+    return None
+
+
 class VLLMEngine:
     """An in-process vLLM engine sampling groups with n=G."""
 
     def __init__(self, model_path: str, model: ModelConfig, rollout: RolloutConfig, seed: int,
                  show_progress: bool = False, sleep: bool = False, world_size: int = 1) -> None:
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: weight push by reference
+        in_process_engine_env()
         import torch
         from vllm import LLM
 

@@ -7,9 +7,17 @@ import os
 import sys
 
 
+def usable_cpus() -> int:
+    """The cores this process may run on: its CPU set (a container's or taskset's), not the machine's count."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):  # no sched_getaffinity (macOS)
+        return os.cpu_count() or 1
+
+
 def cpu_threads(requested: int, processes_per_node: int = 1) -> int:
-    """trainer.threads, or (0) this process's share of the node's cores."""
-    return requested or max(1, (os.cpu_count() or 1) // processes_per_node)
+    """trainer.threads, or (0) this process's share of the cores it may run on."""
+    return requested or max(1, usable_cpus() // processes_per_node)
 
 
 def set_threads(threads: int) -> None:

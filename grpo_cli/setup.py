@@ -62,6 +62,9 @@ def preflight(cfg: TrainConfig) -> Task:
     from grpo_cli import data, rewards
     from grpo_cli.checkpoint import damaged_weights, load_tokenizer, resolve_model_path
 
+    if cfg.model.dtype == "float16":
+        raise UsageError("model.dtype: float16 training needs loss scaling (a gradient scaler), which grpo_cli does "
+                         "not have; small fp16 gradients underflow to 0. Use bfloat16 (or float32)")
     if cfg.trainer.device.startswith("cuda"):
         import torch
 
@@ -126,6 +129,8 @@ def setup_torch(cfg: TrainerConfig) -> None:
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     if cfg.deterministic:
+        # cuBLAS refuses deterministic mode without a fixed workspace; set before CUDA starts (harmless on CPU)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
 
 

@@ -41,6 +41,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from grpo_cli.runtime import usable_cpus
+
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE = "bike_pricing"
 
@@ -155,7 +157,7 @@ def worker_trl(args: argparse.Namespace) -> dict[str, Any]:
     from grpo_cli.checkpoint import resolve_model_path
 
     cfg = load_recipe()
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(usable_cpus())
     r, t = cfg.rollout, cfg.trainer
     steps = args.warmup + args.steps
     rows, prompts = workload_prompts(cfg, steps * r.prompts_per_step)
@@ -213,7 +215,7 @@ def worker_trl(args: argparse.Namespace) -> dict[str, Any]:
 def worker_bounds(args: argparse.Namespace) -> dict[str, Any]:
     """Raw vLLM generate vs our rollout path (same engine, prompts, seeds, settings, alternating), the
     base model's accuracy on the workload's prompts, and plain forward/backward over one step's tokens."""
-    threads = os.cpu_count() or 1
+    threads = usable_cpus()
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     import torch
     from transformers import AutoModelForCausalLM
@@ -311,7 +313,7 @@ def worker_memory(args: argparse.Namespace) -> dict[str, Any]:
 
     from grpo_cli.passes import logprobs_from_hidden
 
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(usable_cpus())
     g = torch.Generator().manual_seed(0)
     hidden_size = 256
     hidden = torch.randn(1, args.tokens, hidden_size, generator=g).requires_grad_(True)  # [1, T, H]
@@ -583,7 +585,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out or ROOT / "runs" / "bench" / f"{time.strftime('%Y-%m-%d_%H-%M-%S')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {"command": " ".join(["scripts/bench.py", *(argv if argv is not None else sys.argv[1:])]),
-                              "cpu_count": os.cpu_count(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+                              "cpu_count": os.cpu_count(), "usable_cpus": usable_cpus(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     started = time.time()
     for name in chosen:
         SECTIONS[name](args, report)

@@ -155,3 +155,56 @@ def test_gpu_check_on_cuda(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["bf16"]["logprob_mean_abs_diff"] < 0.1 and report["update"]["peak_memory_gib"] > 0
+
+
+# ---------------------------------------------------------------------------- settings that would break or misplace
+
+
+def test_an_inherited_multiprocessing_setting_cannot_move_the_engine_out_of_process(monkeypatch):
+    from grpo_cli.rollout import in_process_engine_env
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING=1 ignored" in in_process_engine_env()
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING")
+    assert in_process_engine_env() is None and os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+
+
+def test_threads_follow_the_cpu_set_not_the_machines_core_count(monkeypatch):
+    from grpo_cli.runtime import cpu_threads
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3}, raising=False)  # a container given one core
+    assert cpu_threads(0) == 1 and cpu_threads(0, 2) == 1 and cpu_threads(4) == 4
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    assert cpu_threads(0) == 4 and cpu_threads(0, 2) == 2
+
+
+def test_fp16_training_is_refused_before_any_model_loads(cli):
+    out = cli("train", "recipe=bike_pricing", "model.dtype=float16", "rollout.push_check_tol=0.05")
+    assert out.returncode == 2
+    assert "model.dtype: float16 training needs loss scaling" in out.stderr and "Use bfloat16" in out.stderr
+
+
+def test_deterministic_runs_get_the_cublas_workspace_cuda_needs(monkeypatch):
+    from grpo_cli.config import TrainerConfig
+    from grpo_cli.setup import setup_torch
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    threads = torch.get_num_threads()
+    try:
+        setup_torch(TrainerConfig(deterministic=True, threads=threads))
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+        assert torch.are_deterministic_algorithms_enabled()
+    finally:
+        torch.use_deterministic_algorithms(False)
+        torch.set_num_threads(threads)
+
+
+def test_a_second_gpu_for_the_vllm_engine_is_refused_with_the_setting_that_works():
+    from grpo_cli.config import ConfigError, RewardSpec, TrainConfig, TrainerConfig
+
+    with pytest.raises(ConfigError, match="trainer.device: cuda:1: the vLLM engine would still start on GPU 0; pick "
+                                          "the GPU with CUDA_VISIBLE_DEVICES=1 and trainer.device=cuda"):
+        TrainConfig(task="t", rewards=[RewardSpec(name="correct")], trainer=TrainerConfig(device="cuda:1"))
+    TrainConfig(task="t", rewards=[RewardSpec(name="correct")], trainer=TrainerConfig(device="cuda:0"))  # fine

@@ -130,7 +130,7 @@ def score_groups(rows: list[dict[str, Any]], prompt_ids: list[list[int]], rollou
     failures = rewards.RewardFailures()
     scored = rewards.score(reward_fns, completions[lo:hi], {k: v[lo:hi] for k, v in columns.items()},
                            cfg.data.answer_format, failures, completion_tokens=tokens[lo:hi],
-                           max_new_tokens=cfg.rollout.max_new_tokens,
+                           max_new_tokens=cfg.rollout.trajectory_tokens,  # a tool run: the whole trajectory's cap
                            prompts=columns[cfg.data.prompt_column][lo:hi], group_size=G,
                            tool_calls=calls[lo:hi] if calls is not None else None)
     if dist.world_size > 1:

@@ -191,9 +191,10 @@ def evaluate_targets(cfg: EvalCommandConfig, targets: list[runs.Target], rows: l
         if i > 0 or pushed:
             engine.push_weights(checkpoint_weights(target.path).items())
         samples: list[dict[str, Any]] | None = [] if keep_samples else None
-        metrics = heldout_metrics(engine, heldout, sampling, seeds, samples=samples)
+        metrics = heldout_metrics(engine, heldout, sampling, seeds, samples=samples,
+                                  max_tokens=cfg.rollout.trajectory_tokens)
         if cfg.eval.greedy:
-            overall, per_tier = greedy_accuracy(engine, heldout, cfg.rollout.max_new_tokens)
+            overall, per_tier = greedy_accuracy(engine, heldout, cfg.rollout.max_new_tokens, cfg.rollout.trajectory_tokens)
             metrics["greedy_accuracy"] = overall
             for tier, value in per_tier.items():
                 metrics["per_tier"][tier]["greedy_accuracy"] = value

@@ -123,10 +123,11 @@ class HeldoutSet:
 
 
 def heldout_metrics(engine: Engine, heldout: HeldoutSet, sampling: Sampling, seeds: list[int],
-                    samples: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+                    samples: list[dict[str, Any]] | None = None, max_tokens: int | None = None) -> dict[str, Any]:
     """Sample `sampling.n` = k completions per held-out row and measure them (see `summarise`), overall
     and per tier. `samples`, when given, receives one record per sample (prompt, completion, rewards,
-    length, truncated, row columns). For the training log, `flatten(metrics)` gives eval/... keys."""
+    length, truncated, row columns). For the training log, `flatten(metrics)` gives eval/... keys.
+    `max_tokens`: the completion cap the rewards see (a tool run's trajectory cap; None = the turn's)."""
     from grpo_cli.rewards import correctness_name
     from grpo_cli.tools.trajectories import tool_metrics
 
@@ -134,7 +135,7 @@ def heldout_metrics(engine: Engine, heldout: HeldoutSet, sampling: Sampling, see
     out = engine.generate(heldout.prompt_ids, sampling, seeds)
     texts = [t for group in out.texts for t in group]  # [N*k]
     lengths = out.model_tokens()  # [N*k] the model's own tokens (a trajectory's tool replies are not)
-    scored = heldout.score(out, sampling.max_new_tokens)
+    scored = heldout.score(out, max_tokens or sampling.max_new_tokens)
     correct = scored.per_function[correctness_name(heldout.rewards)]  # [N*k]
     truncated = [bool(t) for group in out.truncated for t in group]  # [N*k]
     votes = [answer_key(t, heldout.answer_format) for t in texts]  # [N*k]
@@ -155,13 +156,14 @@ def heldout_metrics(engine: Engine, heldout: HeldoutSet, sampling: Sampling, see
     return metrics
 
 
-def greedy_accuracy(engine: Engine, heldout: HeldoutSet, max_new_tokens: int) -> tuple[float, dict[str, float]]:
-    """Accuracy of one temperature-0 completion per row: (overall, per tier)."""
+def greedy_accuracy(engine: Engine, heldout: HeldoutSet, max_new_tokens: int,
+                    max_tokens: int | None = None) -> tuple[float, dict[str, float]]:
+    """Accuracy of one temperature-0 completion per row: (overall, per tier). `max_tokens` as in heldout_metrics."""
     from grpo_cli.rewards import correctness_name
     from grpo_cli.rollout import Sampling
 
     out = engine.generate(heldout.prompt_ids, Sampling(1, 0.0, 1.0, max_new_tokens), list(range(len(heldout.rows))))
-    scored = heldout.score(out, max_new_tokens)
+    scored = heldout.score(out, max_tokens or max_new_tokens)
     correct = scored.per_function[correctness_name(heldout.rewards)]  # [N]
     return _mean(correct), {tier: _mean([correct[i] for i in idx]) for tier, idx in _tiers(heldout.rows).items()}
 

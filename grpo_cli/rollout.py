@@ -203,7 +203,8 @@ class VLLMEngine:
             max_model_len=max_model_len(model_path, model),
             enable_prefix_caching=True,
             # The logprob of each sampled token under the distribution it was sampled from (after the
-            # temperature), which is what the trainer computes (its logits / rollout.temperature). vLLM's
+            # temperature), which is what the trainer computes (its logits / rollout.temperature; at top_p < 1
+            # the engine's are renormalised over the nucleus, the trainer's are not: docs/design.md). vLLM's
             # default, raw_logprobs, is the log-softmax before the temperature: at any temperature but 1 the
             # mismatch metric, tis and seq_mask would compare two different distributions.
             logprobs_mode="processed_logprobs",

@@ -78,6 +78,9 @@ def preflight(cfg: TrainConfig) -> Task:
         raise UsageError(f"rollout.prompts_per_step: {cfg.rollout.prompts_per_step} does not split over {world} "
                          "processes (WORLD_SIZE); make it a multiple of the process count")
     train_rows, heldout_rows = data.load_splits(cfg.data)
+    if cfg.rollout.tools and train_rows and "tool_calls" in train_rows[0]:
+        raise UsageError("data: a column is named 'tool_calls', which a tool run's rewards receive as the "
+                         "trajectories' calls; rename the column")
     reward_fns = rewards.load_rewards(cfg.rewards)
     rewards.validate_columns(train_rows, reward_fns)
     rewards.validate_columns(heldout_rows, reward_fns)

@@ -189,7 +189,8 @@ def heldout_eval(state: RunState, cfg: TrainConfig, step: int) -> dict[str, floa
     sampling = Sampling(cfg.eval.samples_per_problem, cfg.eval.temperature, cfg.rollout.top_p,
                         cfg.rollout.max_new_tokens)
     seeds = sample_seeds(cfg.trainer.seed, step, len(state.heldout.rows), stream=1)
-    return state.dist.broadcast(flatten(heldout_metrics(state.engine, state.heldout, sampling, seeds)))
+    return state.dist.broadcast(flatten(heldout_metrics(state.engine, state.heldout, sampling, seeds,
+                                                        max_tokens=cfg.rollout.trajectory_tokens)))
 
 
 def maybe_checkpoint(state: RunState, metrics: dict[str, Any], cfg: TrainConfig, save_now: bool) -> None:

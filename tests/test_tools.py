@@ -90,8 +90,8 @@ def test_cut_at_stop_keeps_the_shortest_prefix_holding_a_stop(shipped_model_dir)
     tok = AutoTokenizer.from_pretrained(shipped_model_dir)
     decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
     ids = tok("subtotal: 3 + 4 = 7.00\nAnswer: 7.00", add_special_tokens=False)["input_ids"]
-    k, text = cut_at_stop(ids, decode(ids), [" = "], decode)
-    assert text.endswith(" = ") or " = " in text
+    k, text, end = cut_at_stop(ids, decode(ids), [" = "], decode)
+    assert text[:end].endswith(" = ") and " = " not in text[:end - 1]
     assert " = " not in decode(ids[:k - 1]) and text == decode(ids[:k])
     assert cut_at_stop(ids, decode(ids), ["</calc>"], decode) is None
 
@@ -107,10 +107,33 @@ def test_a_bad_tool_is_named_before_any_model_loads(spec, message):
         load_tools([spec])
 
 
-def test_two_tools_with_one_close_string_are_refused():
-    with pytest.raises(UsageError, match=r"rollout.tools\[1\].close: '</c>' must be non-blank and differ"):
+@pytest.mark.parametrize("second_close", ["</c>", "</c>>", "/c"])
+def test_close_strings_that_would_shadow_each_other_are_refused(second_close):
+    with pytest.raises(UsageError, match=re.escape(f"rollout.tools[1].close: '{second_close}' must be non-blank and "
+                                                   "hold no other tool's close string")):
         load_tools([ToolSpec(function="calculator", open="<c>", close="</c>"),
-                    ToolSpec(function="test_tools:upper", open="<u>", close="</c>")])
+                    ToolSpec(function="test_tools:upper", open="<u>", close=second_close)])
+
+
+def returns_a_huge_int(argument):
+    return 10 ** 5000
+
+
+def test_a_result_that_cannot_become_text_is_the_calls_failure_not_the_runs():
+    tool, = load_tools([ToolSpec(function="test_tools:returns_a_huge_int", timeout_s=None)])
+    result = call_tool(tool, "x")
+    assert not result.ok and result.text.startswith("error: the tool ValueError")
+
+
+def test_python_leaves_nothing_running_behind_it(tmp_path):
+    from grpo_cli.tools import python
+
+    marker = tmp_path / "alive"
+    child = f"import time; time.sleep(3); open({str(marker)!r}, 'w').close()"
+    code = f"import subprocess, sys\nsubprocess.Popen([sys.executable, '-c', {child!r}])\nprint('started')"
+    assert python(code) == "started"
+    time.sleep(4)
+    assert not marker.exists()  # the background child went with the call's process group
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -262,6 +285,24 @@ def test_a_close_string_without_its_open_string_is_not_a_call(tokenizer):
     assert out.segments[0][0][0]["text"] == " total</calc> still writing" and len(engine.requests) == 2
 
 
+def test_a_close_string_that_ends_inside_a_token_is_still_a_call(tokenizer):
+    """The last token may run past the close string (" bike" holds " bi"): the call is read up to the close
+    string, and the whole token stays the model's."""
+    engine = ScriptedEngine(tokenizer, ["<3*18 bike", " after"])
+    tools = load_tools([ToolSpec(function="calculator", open="<", close=" bi", timeout_s=None)])
+    out = ToolEngine(engine, tools, TagFormat((("calculator", "<", " bi"),)), CAPS).generate(
+        [tokenizer("Q:", add_special_tokens=False)["input_ids"]], Sampling(1, 1.0, 1.0, 48), [7])
+    assert out.tool_calls() == [[{"tool": "calculator", "argument": "3*18", "result": "54.00", "ok": True}]]
+    assert out.segments[0][0][0]["text"] == "<3*18 bike"
+
+
+def test_the_turn_cap_holds_over_a_turn_written_in_several_calls(tokenizer):
+    out, engine = run_scripts(tokenizer, [" total</calc>", " and more" * 30],
+                              CAPS._replace(max_trajectory_tokens=200))
+    assert out.capped == [["turn_tokens"]] and out.model_tokens() == [48]  # one turn: 48 tokens, over two calls
+    assert engine.requests[1][3] == 48 - len(tokenizer(" total</calc>", add_special_tokens=False)["input_ids"])
+
+
 def test_with_tools_leaves_an_engine_without_tools_alone(tokenizer):
     engine = ScriptedEngine(tokenizer, [])
     assert with_tools(engine, [], RolloutConfig()) is engine
@@ -290,6 +331,9 @@ def test_the_chat_format_reads_its_reply_off_the_template_and_parses_native_call
     assert fmt.find_call(as_string) == ("calculator", {"expression": "1+1"})
     assert fmt.find_call("<tool_call>{not json</tool_call>")[0] == ""  # a call, of no tool: the model reads why
     assert "no tool is named 'search'" in fmt.find_call('<tool_call>{"name": "search"}</tool_call>')[1]
+    assert fmt.find_call('<tool_call>{"name": ["calculator"], "arguments": {}}</tool_call>') == (
+        "", "the call's name is not a string")
+    assert fmt.find_call("<tool_call>" + "[" * 100000 + "</tool_call>")[0] == ""  # too deep for json: no crash
     assert fmt.find_call("no call at all") is None
 
 

@@ -136,8 +136,9 @@ def score(rewards: list[WeightedReward], completions: list, columns: dict[str, l
     on_failure=drop those samples are marked in `Scores.dropped`.
     """
     n = len(completions)
+    reserved = [name for name in RESERVED if name != "tool_calls" or tool_calls is not None]
     for name, values in columns.items():
-        if name in RESERVED:
+        if name in reserved:
             raise ValueError(f"a dataset column is named '{name}', which reward functions receive as an argument; "
                              "rename the column")
         if len(values) != n:

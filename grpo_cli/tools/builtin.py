@@ -53,6 +53,11 @@ PYTHON_KEPT_ENV = ("PATH", "LANG", "LC_ALL", "TZ")  # everything else (API keys,
 # The child sets its own limits (from its arguments), then runs the code; no preexec_fn, which is unsafe in
 # a process with threads (the trainer's, when a tool runs in process).
 _BOOTSTRAP = """import resource, sys
+try:  # Linux: killed with its parent (a tool worker killed on its timeout takes the code with it)
+    import ctypes
+    ctypes.CDLL(None).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+except Exception:
+    pass
 cpu, memory, output, code = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 for limit, value in ((resource.RLIMIT_CPU, cpu), (resource.RLIMIT_AS, memory), (resource.RLIMIT_FSIZE, output),
                      (resource.RLIMIT_CORE, 0)):
@@ -88,9 +93,12 @@ def python(code: str) -> str:
             try:
                 exit_code: int | None = proc.wait(PYTHON_WALL_SECONDS)
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, 9)
-                proc.wait()
                 exit_code = None
+            try:  # whatever it started in the background goes too
+                os.killpg(proc.pid, 9)
+            except (ProcessLookupError, PermissionError):
+                pass
+            proc.wait()
         with open(out_path, "rb") as f:
             text = f.read(PYTHON_OUTPUT_BYTES).decode("utf-8", errors="replace").rstrip("\n")
         full = os.path.getsize(out_path) >= PYTHON_OUTPUT_BYTES

@@ -73,8 +73,10 @@ class ChatFormat:
             name, arguments = call["name"], call.get("arguments", {})
             if isinstance(arguments, str):  # some models write the arguments as a JSON string
                 arguments = json.loads(arguments)
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, RecursionError):
             return Call("", "the call is not JSON of the form {\"name\": ..., \"arguments\": {...}}")
+        if not isinstance(name, str):
+            return Call("", "the call's name is not a string")
         if not isinstance(arguments, dict):
             return Call("", "the call's arguments are not a JSON object")
         if name not in self.names:

@@ -70,7 +70,7 @@ def _check_signature(fn: ToolFn, where: str) -> None:
 def load_tools(specs: list, tool_format: str = "tags") -> list[LoadedTool]:
     """The recipe's `rollout.tools` (ToolSpec) -> loaded tools, for `rollout.tool_format`. Fails at the edge,
     naming the key."""
-    loaded, seen = [], set()
+    loaded, seen, names = [], set(), set()
     for i, spec in enumerate(specs):
         where = f"rollout.tools[{i}]"
         fn = _load_function(spec.function, f"{where}.function")
@@ -83,9 +83,14 @@ def load_tools(specs: list, tool_format: str = "tags") -> list[LoadedTool]:
             _check_signature(fn, f"{where}.function")
         short = spec.function.rpartition(":")[2]
         open_, close = spec.open or f"<{short}>", spec.close or f"</{short}>"
-        if not close.strip() or close in seen:
-            raise UsageError(f"{where}.close: '{close}' must be non-blank and differ from every other tool's")
+        if not close.strip() or any(close in other or other in close for other in seen):
+            raise UsageError(f"{where}.close: '{close}' must be non-blank and hold no other tool's close string, nor "
+                             "be held in one (the engine stops at the first it meets)")
         seen.add(close)
+        if schema is not None and schema["function"]["name"] in names:
+            raise UsageError(f"{where}.function: a second tool named '{schema['function']['name']}'; the chat format "
+                             "calls tools by their function's name")
+        names.add(schema["function"]["name"] if schema is not None else short)
         timeout_s = spec.timeout_s
         if timeout_s is not None and not (math.isfinite(timeout_s) and timeout_s > 0):
             raise UsageError(f"{where}.timeout_s: {timeout_s} must be > 0 seconds, or null for no limit")
@@ -103,7 +108,9 @@ def load_tools(specs: list, tool_format: str = "tags") -> list[LoadedTool]:
 def call_each(arguments: list[str | dict], tool: ToolFn) -> list[Any]:
     """A worker's call: the tool on each argument (a list, as the reward worker's protocol has it): the
     text between a tag-format call's tags, or a chat-format call's JSON arguments by name."""
-    return [tool(argument) if isinstance(argument, str) else tool(**argument) for argument in arguments]
+    results = [tool(argument) if isinstance(argument, str) else tool(**argument) for argument in arguments]
+    # numbers become text here, where a failure (a 5,000-digit int) is the call's own, not the trainer's
+    return [str(r) if isinstance(r, int | float) and not isinstance(r, bool) else r for r in results]
 
 
 def call_tool(tool: LoadedTool, argument: str | dict) -> ToolResult:
@@ -120,9 +127,9 @@ def call_tool(tool: LoadedTool, argument: str | dict) -> ToolResult:
             return ToolResult(f"error: {reason.removeprefix('ToolFailed: ')}"[:240], False)
         return ToolResult(f"error: the tool {reason}"[:240], False)
     value = out[0]
-    if isinstance(value, bool) or not isinstance(value, str | int | float):
+    if not isinstance(value, str):
         return ToolResult(f"error: the tool returned {type(value).__name__}, not text", False)
-    return ToolResult(str(value)[:MAX_RESULT_CHARS], True)
+    return ToolResult(value[:MAX_RESULT_CHARS], True)
 
 
 def close_tools(tools: list[LoadedTool]) -> None:

@@ -53,6 +53,7 @@ class Trajectory:
     logprobs: list[float] = field(default_factory=list)  # the engine's sampling logprob (0 on the environment's)
     segments: list[dict[str, Any]] = field(default_factory=list)  # the turns: {"role": "model"|"tool", "text", ...}
     turn_text: str = ""  # the model's text since the environment last spoke (a turn may take several calls)
+    turn_tokens: int = 0  # the model's tokens since the environment last spoke (rollout.max_new_tokens caps them)
     turns: int = 1  # model turns begun
     calls: int = 0  # tool calls made
     done: bool = False
@@ -63,6 +64,7 @@ class Trajectory:
         self.model_mask += [1] * len(ids)
         self.logprobs += logprobs
         self.turn_text += text
+        self.turn_tokens += len(ids)
         if self.segments and self.segments[-1]["role"] == "model":
             self.segments[-1]["text"] += text
         else:
@@ -73,7 +75,7 @@ class Trajectory:
         self.model_mask += [0] * len(ids)
         self.logprobs += [0.0] * len(ids)
         self.segments.append(segment)
-        self.turn_text = ""
+        self.turn_text, self.turn_tokens = "", 0
 
 
 def call_seed(prompt_seed: int, sample: int, call: int) -> int:
@@ -82,12 +84,12 @@ def call_seed(prompt_seed: int, sample: int, call: int) -> int:
     return (prompt_seed * 1_000_003 + sample * 7_919 + call * 104_729 + 1) % (2**31 - 1)
 
 
-def cut_at_stop(ids: list[int], text: str, stops: list[str], decode: Any) -> tuple[int, str] | None:
-    """(k, text of ids[:k]) for the shortest prefix of `ids` whose text holds one of `stops`, or None when
-    `text` (the text of all of `ids`) holds none. vLLM stops there itself (k = len(ids)); transformers'
-    generate does not, so its ids are cut here."""
-    ends = [text.find(s) + len(s) for s in stops if s in text]
-    if not ends:
+def cut_at_stop(ids: list[int], text: str, stops: list[str], decode: Any) -> tuple[int, str, int] | None:
+    """(k, text of ids[:k], end) for the shortest prefix of `ids` whose text holds one of `stops`, `end` being
+    where the first stop string ends in that text (the last token may run past it: `</calc>` and a newline
+    can be one token); None when `text` (the text of all of `ids`) holds none. vLLM stops there itself
+    (k = len(ids)); transformers' generate does not, so its ids are cut here."""
+    if not any(s in text for s in stops):
         return None
     lo, hi = 1, len(ids)  # the smallest k whose text holds a stop string
     while lo < hi:
@@ -96,7 +98,8 @@ def cut_at_stop(ids: list[int], text: str, stops: list[str], decode: Any) -> tup
             hi = mid
         else:
             lo = mid + 1
-    return lo, decode(ids[:lo])
+    prefix = decode(ids[:lo])
+    return lo, prefix, min(prefix.find(s) + len(s) for s in stops if s in prefix)
 
 
 class ToolEngine(WrappedEngine):
@@ -122,7 +125,7 @@ class ToolEngine(WrappedEngine):
                              first.truncated[p][g], sampling.max_new_tokens)
         call = 1
         while open_ := [(p, g) for p, group in enumerate(trajectories) for g, t in enumerate(group) if not t.done]:
-            budget = max(caps.max_trajectory_tokens - len(trajectories[p][g].ids) for p, g in open_)
+            budget = max(self._room(trajectories[p][g], sampling.max_new_tokens) for p, g in open_)
             out = self.engine.generate(
                 [prompt_ids[p] + trajectories[p][g].ids for p, g in open_],
                 turn._replace(n=1, max_new_tokens=min(sampling.max_new_tokens, budget)),
@@ -133,18 +136,23 @@ class ToolEngine(WrappedEngine):
             call += 1
         return self._rollouts(prompt_ids, trajectories)
 
+    def _room(self, t: Trajectory, turn_cap: int) -> int:
+        """The tokens the model may still write in this turn: its turn's cap and the trajectory's."""
+        return min(turn_cap - t.turn_tokens, self.caps.max_trajectory_tokens - len(t.ids))
+
     def _absorb(self, t: Trajectory, ids: list[int], logprobs: list[float], truncated: bool, turn_cap: int) -> None:
         """One engine call's output into its trajectory: the model's tokens (cut at a stop string, and to the
-        trajectory budget), then the tool's reply when the turn ended in a call, or the end."""
+        turn's and the trajectory's room), then the tool's reply when the turn ended in a call, or the end."""
         text = self._decode(ids)
+        stop_end = None
         if cut := cut_at_stop(ids, text, self.fmt.stops, self._decode):
-            (k, text), truncated = cut, False
+            (k, text, stop_end), truncated = cut, False
             ids, logprobs = ids[:k], logprobs[:k]
-        room = self.caps.max_trajectory_tokens - len(t.ids)
-        if len(ids) > room:  # the batch's call was sized for its longest budget
+        room = self._room(t, turn_cap)
+        if len(ids) > room:  # the call was sized for the longest room of its batch
             ids, logprobs, text, truncated = ids[:room], logprobs[:room], self._decode(ids[:room]), True
         t.add_model(ids, logprobs, text)
-        if truncated or not cut:  # the turn hit its token cap, or ended (end of sequence) without a call
+        if truncated or stop_end is None:  # a cap cut the turn, or it ended (end of sequence) without a call
             t.done = True
             if truncated:
                 t.capped = "trajectory_tokens" if len(t.ids) >= self.caps.max_trajectory_tokens else "turn_tokens"
@@ -152,8 +160,10 @@ class ToolEngine(WrappedEngine):
         if len(t.ids) >= self.caps.max_trajectory_tokens:
             t.done, t.capped = True, "trajectory_tokens"
             return
-        found = self.fmt.find_call(t.turn_text)
+        found = self.fmt.find_call(t.turn_text[: len(t.turn_text) - len(text) + stop_end])  # up to the stop string
         if found is None:  # a close string with no open string before it: not a call, the turn goes on
+            if t.turn_tokens >= turn_cap:
+                t.done, t.capped = True, "turn_tokens"
             return
         if t.turns >= self.caps.max_turns or t.calls >= self.caps.max_tool_calls:
             t.done, t.capped = True, "turns" if t.turns >= self.caps.max_turns else "tool_calls"

@@ -156,10 +156,13 @@ def test_sampling_logprobs_are_of_the_distribution_sampled_from_at_any_temperatu
     """The engines report each sampled token's logprob after the temperature, as the trainer computes it
     (logits / rollout.temperature): the mismatch metric at T=0.7 stays at its T=1 level. vLLM's default
     (raw logprobs, before the temperature) gave 0.016 here at T=0.7, against 1e-8 at T=1."""
+    from grpo_cli.checkpoint import load_policy
     from grpo_cli.prompts import render_plain
     from grpo_cli.rollout import HFEngine
 
-    path, policy, tokenizer = shipped
+    path, _, tokenizer = shipped
+    # the shipped weights, as the session's engine holds them (another test nudges the `shipped` policy)
+    policy = load_policy(path, "float32")
     engine = vllm_engine if engine_kind == "vllm" else HFEngine(policy, tokenizer)
     prompts = [tokenizer(render_plain(q), add_special_tokens=False)["input_ids"] for q in (
         "A city bike costs 10 per day and Ana keeps it for 3 days. How much does Ana pay in total?",

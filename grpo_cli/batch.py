@@ -212,4 +212,4 @@ def minibatch_normalizer(loss_masks: list[list[int]], loss: str, loss_params: Lo
     number). A mask is 1 on the model's tokens: a tool run's replies count for no loss."""
     from grpo_cli import grpo
 
-    return grpo.NORMALIZERS[loss](pad_values(loss_masks, pad_rows(loss_masks, 0)[1]), loss_params)
+    return grpo.NORMALIZERS[loss](pad_rows(loss_masks, 0)[0].float(), loss_params)  # [N, T] masks, 0-padded

@@ -63,7 +63,9 @@ def tool_lines(cfg: TrainConfig) -> list[str]:
     r = cfg.rollout
     if not r.tools:
         return []
-    tools = ", ".join(f"{spec.function} ({spec.open or '<' + spec.function.rpartition(':')[2] + '>'}...)" for spec in r.tools)
+    from grpo_cli.tools.load import call_strings
+
+    tools = ", ".join(f"{spec.function} ({call_strings(spec)[0]}...)" for spec in r.tools)
     return [f"tools: {tools}; results between {r.tool_result_tags[0]!r} and {r.tool_result_tags[1]!r}",
             f"tool budgets per trajectory: <= {r.max_turns} model turns of <= {r.max_new_tokens} tokens, "
             f"<= {r.max_tool_calls} calls, <= {r.max_tool_result_tokens} tokens per result, <= {r.trajectory_tokens} "

@@ -164,10 +164,11 @@ def evaluate_targets(cfg: EvalCommandConfig, targets: list[runs.Target], rows: l
     from grpo_cli.rollout import Sampling, sample_seeds
     from grpo_cli.runtime import cpu_threads, set_threads
     from grpo_cli.tools import load_tools
+    from grpo_cli.tools.load import tool_schemas
     from grpo_cli.tools.trajectories import with_tools
 
     tools = load_tools(cfg.rollout.tools, cfg.rollout.tool_format)  # the run's: pass@k measures the model with them
-    schemas = [t.schema for t in tools if t.schema is not None] or None
+    schemas = tool_schemas(tools)
     set_threads(cpu_threads(cfg.trainer.threads))  # before the engine starts
     tokenizer = load_tokenizer(str(targets[0].path))
     check_tokenizers(targets, tokenizer)

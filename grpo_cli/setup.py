@@ -54,7 +54,9 @@ class Task:
     @property
     def tool_schemas(self) -> list[dict] | None:
         """The chat-format tools' JSON schemas, shown in every prompt; None otherwise."""
-        return [t.schema for t in self.tools if t.schema is not None] or None
+        from grpo_cli.tools.load import tool_schemas
+
+        return tool_schemas(self.tools)
 
 
 def preflight(cfg: TrainConfig) -> Task:

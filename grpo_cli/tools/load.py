@@ -67,6 +67,17 @@ def _check_signature(fn: ToolFn, where: str) -> None:
                          f"({shown})")
 
 
+def call_strings(spec: Any) -> tuple[str, str]:
+    """A tag-format tool's (open, close) strings: the recipe's, or "<NAME>" and "</NAME>" after its function."""
+    short = spec.function.rpartition(":")[2]
+    return spec.open or f"<{short}>", spec.close or f"</{short}>"
+
+
+def tool_schemas(tools: list[LoadedTool]) -> list[dict] | None:
+    """The chat-format tools' JSON schemas, which every prompt shows; None for tag-format tools (or none)."""
+    return [t.schema for t in tools if t.schema is not None] or None
+
+
 def load_tools(specs: list, tool_format: str = "tags") -> list[LoadedTool]:
     """The recipe's `rollout.tools` (ToolSpec) -> loaded tools, for `rollout.tool_format`. Fails at the edge,
     naming the key."""
@@ -82,7 +93,7 @@ def load_tools(specs: list, tool_format: str = "tags") -> list[LoadedTool]:
         else:
             _check_signature(fn, f"{where}.function")
         short = spec.function.rpartition(":")[2]
-        open_, close = spec.open or f"<{short}>", spec.close or f"</{short}>"
+        open_, close = call_strings(spec)
         if not close.strip() or any(close in other or other in close for other in seen):
             raise UsageError(f"{where}.close: '{close}' must be non-blank and hold no other tool's close string, nor "
                              "be held in one (the engine stops at the first it meets)")

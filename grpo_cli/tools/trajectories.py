@@ -191,13 +191,12 @@ class ToolEngine(WrappedEngine):
 
     def _rollouts(self, prompt_ids: list[list[int]], trajectories: list[list[Trajectory]]) -> Rollouts:
         texts = [[self._decode(t.ids) for t in group] for group in trajectories]  # [P][G] with the tool results
-        rollouts = Rollouts(prompt_ids, [[t.ids for t in group] for group in trajectories],
-                            [[t.logprobs for t in group] for group in trajectories], texts,
-                            [[t.capped is not None for t in group] for group in trajectories])
-        rollouts.model_mask = [[t.model_mask for t in group] for group in trajectories]
-        rollouts.segments = [[t.segments for t in group] for group in trajectories]
-        rollouts.capped = [[t.capped for t in group] for group in trajectories]
-        return rollouts
+        return Rollouts(prompt_ids, [[t.ids for t in group] for group in trajectories],
+                        [[t.logprobs for t in group] for group in trajectories], texts,
+                        [[t.capped is not None for t in group] for group in trajectories],
+                        model_mask=[[t.model_mask for t in group] for group in trajectories],
+                        segments=[[t.segments for t in group] for group in trajectories],
+                        capped=[[t.capped for t in group] for group in trajectories])
 
 
 def tool_metrics(rollouts: Rollouts) -> dict[str, float]:

@@ -52,7 +52,7 @@ def batch_lines(cfg: TrainConfig, world_size: int) -> list[str]:
         f"optimizer steps: {t.ppo_epochs} epoch(s) x {t.minibatches} minibatch(es) = {updates} per rollout batch, "
         f"{updates * t.steps} in {t.steps} steps (the lr schedule counts these)",
         f"completion tokens per step: at most {P * G * r.trajectory_tokens} (P x G x "
-        f"{'the trajectory cap' if r.tools else 'rollout.max_new_tokens'}={r.trajectory_tokens}); micro-batches of "
+        f"{'the trajectory cap' if r.multi_turn else 'rollout.max_new_tokens'}={r.trajectory_tokens}); micro-batches of "
         f"<= {t.micro_batch_size} completions" + (f" and <= {t.micro_batch_tokens} padded tokens" if t.micro_batch_tokens else ""),
         *tool_lines(cfg),
     ]
@@ -61,12 +61,16 @@ def batch_lines(cfg: TrainConfig, world_size: int) -> list[str]:
 def tool_lines(cfg: TrainConfig) -> list[str]:
     """A tool run's budgets: the tools and their call strings, the turn, call and token caps."""
     r = cfg.rollout
-    if not r.tools:
+    if not r.multi_turn:
         return []
     from grpo_cli.tools.load import call_strings
 
-    tools = ", ".join(f"{spec.function} ({call_strings(spec)[0]}...)" for spec in r.tools)
-    return [f"tools: {tools}; results between {r.tool_result_tags[0]!r} and {r.tool_result_tags[1]!r}",
+    tools = ", ".join(f"{spec.function} ({call_strings(spec)[0]}...)" for spec in r.tools) or "none"
+    env = r.environment
+    env_line = [f"environment: {env.cls}, one instance per sample built from its row; its public methods are "
+                "tools" + (f" (tags: {', '.join(f'{m} {t[0]}...' for m, t in env.tags.items())})" if env.tags else "")
+                + (f"; {env.timeout_s:g} s per call" if env.timeout_s else "")] if env.cls else []
+    return [f"tools: {tools}; results between {r.tool_result_tags[0]!r} and {r.tool_result_tags[1]!r}", *env_line,
             f"tool budgets per trajectory: <= {r.max_turns} model turns of <= {r.max_new_tokens} tokens, "
             f"<= {r.max_tool_calls} calls, <= {r.max_tool_result_tokens} tokens per result, <= {r.trajectory_tokens} "
             "tokens after the prompt (rollout.max_trajectory_tokens); tool replies are attended but leave the loss"]

@@ -107,7 +107,7 @@ def sample_groups(state: RunState, cfg: TrainConfig, step: int, round_index: int
     prompt_ids = [task.encode(row) for row in rows]
     stream = 0 if round_index == 0 else round_index + 1
     sampling = Sampling(r_cfg.group_size, r_cfg.temperature, r_cfg.top_p, r_cfg.max_new_tokens)
-    rollouts = state.engine.generate(prompt_ids, sampling, sample_seeds(cfg.trainer.seed, step, len(rows), stream))
+    rollouts = state.engine.generate(prompt_ids, sampling, sample_seeds(cfg.trainer.seed, step, len(rows), stream), rows)
     return rows, prompt_ids, rollouts
 
 
@@ -125,6 +125,7 @@ def score_groups(rows: list[dict[str, Any]], prompt_ids: list[list[int]], rollou
     columns = {k: [row[k] for row in rows for _ in range(G)] for k in rows[0]}  # each [P*G]
     tokens = rollouts.model_tokens()  # [P*G] the model's own (a trajectory's tool replies are not)
     calls = rollouts.tool_calls()  # [P*G] each trajectory's tool calls; None single-turn
+    env = rollouts.environment_results()  # ([P*G] states, [P*G] rewards) with an environment, else None
     mine = dist.share(P)  # each rank scores its share of the groups; every rank then holds all the scores
     lo, hi = mine.start * G, mine.stop * G
     failures = rewards.RewardFailures()
@@ -132,7 +133,8 @@ def score_groups(rows: list[dict[str, Any]], prompt_ids: list[list[int]], rollou
                            cfg.data.answer_format, failures, completion_tokens=tokens[lo:hi],
                            max_new_tokens=cfg.rollout.trajectory_tokens,  # a tool run: the whole trajectory's cap
                            prompts=columns[cfg.data.prompt_column][lo:hi], group_size=G,
-                           tool_calls=calls[lo:hi] if calls is not None else None)
+                           tool_calls=calls[lo:hi] if calls is not None else None,
+                           environment=(env[0][lo:hi], env[1][lo:hi]) if env is not None else None)
     if dist.world_size > 1:
         scored, failures = merge_scores(dist.gather((scored, failures)))
     for name, count in failures.counts.items():

@@ -92,6 +92,13 @@ class ToolSpec:
 
 
 @dataclass
+class EnvironmentSpec:
+    cls: str | None = None  # "package.module:Class": one instance per sample, built from its row; its public methods are tools (docs/tools.md); None = none
+    tags: dict[str, list[str]] = field(default_factory=dict)  # tags format: METHOD -> [open, close]; default "<METHOD>", "</METHOD>"
+    timeout_s: float | None = 10.0  # time limit per method call, in the environment's worker process (killed on overrun); None = in-process
+
+
+@dataclass
 class RolloutConfig:
     engine: str = "vllm"  # generation backend: "vllm" (default) | "hf" (transformers generate, for machines without vLLM)
     prompts_per_step: int = 8  # P: distinct prompts sampled per optimizer step
@@ -110,6 +117,7 @@ class RolloutConfig:
     tensor_parallel_size: int = 1  # consecutive ranks that share one vLLM engine (tensor parallel); 1 = an engine per rank
     # Tools (docs/tools.md): with any listed, a rollout is a conversation: the model's turns, each tool's reply.
     tools: list[ToolSpec] = field(default_factory=list)  # tools the model may call mid-rollout; [] = one completion per sample
+    environment: EnvironmentSpec = field(default_factory=EnvironmentSpec)  # a class whose methods are tools, with state per sample
     tool_format: str = "tags"  # tools: "tags" (open/close strings, plain-text models) | "chat" (the chat template's tools= and tool role)
     tool_result_tags: list[str] = field(default_factory=lambda: ["<result>", "</result>"])  # tags format: written around a tool's result
     max_turns: int = 4  # tools: model turns per trajectory (each call's reply starts a new one)
@@ -118,9 +126,14 @@ class RolloutConfig:
     max_trajectory_tokens: int | None = None  # tools: tokens after the prompt, model's and tools' together; None = max_new_tokens x max_turns
 
     @property
+    def multi_turn(self) -> bool:
+        """A tool run: the model has tools (rollout.tools, or an environment's methods)."""
+        return bool(self.tools or self.environment.cls)
+
+    @property
     def trajectory_tokens(self) -> int:
         """The most tokens a completion can hold after its prompt: max_new_tokens, or a tool run's cap."""
-        if not self.tools:
+        if not self.multi_turn:
             return self.max_new_tokens
         return self.max_trajectory_tokens or self.max_new_tokens * self.max_turns
 
@@ -142,7 +155,7 @@ class RolloutConfig:
         _require(self.kv_cache_gib > 0, "rollout.kv_cache_gib", "must be > 0")
         _require(0 < self.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization", "must be in (0, 1]")
         _require(self.push_check_every >= 0, "rollout.push_check_every", "must be >= 0 (0 = never)")
-        if self.tools:
+        if self.multi_turn:
             _require(self.max_turns >= 2, "rollout.max_turns", f"is {self.max_turns}; with tools a trajectory needs >= 2 "
                      "turns (the call, then the model reading its result)")
             _require(self.max_tool_calls >= 1, "rollout.max_tool_calls", "must be >= 1 with tools")
@@ -334,9 +347,9 @@ class TrainConfig:
         _require(self.rollout.prompts_per_step % world == 0, "rollout.prompts_per_step",
                  f"{self.rollout.prompts_per_step} does not split over {world} processes (dist.nproc_per_node x "
                  "dist.nnodes); make it a multiple of the process count")
-        _require(not (self.rollout.tools and self.rollout.tool_format == "chat" and self.data.template != "chat"),
+        _require(not (self.rollout.multi_turn and self.rollout.tool_format == "chat" and self.data.template != "chat"),
                  "rollout.tool_format", "chat shows the tools through the chat template; set data.template=chat")
-        _require(not (self.rollout.tools and self.rollout.engine == "hf" and world > 1), "rollout.tools",
+        _require(not (self.rollout.multi_turn and self.rollout.engine == "hf" and world > 1), "rollout.tools",
                  "with rollout.engine=hf at several processes each rank's generate gathers the sharded policy, and "
                  "ranks whose trajectories take different numbers of turns would not pair up; use rollout.engine=vllm")
         device = self.trainer.device

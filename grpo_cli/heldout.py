@@ -119,7 +119,7 @@ class HeldoutSet:
         columns = {key: [row[key] for row in self.rows for _ in range(k)] for key in self.rows[0]}  # each [N*k]
         return score(self.rewards, texts, columns, self.answer_format, completion_tokens=out.model_tokens(),
                      max_new_tokens=max_new_tokens, prompts=columns.get(self.prompt_column), group_size=k,
-                     tool_calls=out.tool_calls())
+                     tool_calls=out.tool_calls(), environment=out.environment_results())
 
 
 def heldout_metrics(engine: Engine, heldout: HeldoutSet, sampling: Sampling, seeds: list[int],
@@ -132,7 +132,7 @@ def heldout_metrics(engine: Engine, heldout: HeldoutSet, sampling: Sampling, see
     from grpo_cli.tools.trajectories import tool_metrics
 
     k, rows = sampling.n, heldout.rows
-    out = engine.generate(heldout.prompt_ids, sampling, seeds)
+    out = engine.generate(heldout.prompt_ids, sampling, seeds, rows)
     texts = [t for group in out.texts for t in group]  # [N*k]
     lengths = out.model_tokens()  # [N*k] the model's own tokens (a trajectory's tool replies are not)
     scored = heldout.score(out, max_tokens or sampling.max_new_tokens)
@@ -152,6 +152,7 @@ def heldout_metrics(engine: Engine, heldout: HeldoutSet, sampling: Sampling, see
                 "completion": text, "rewards": {name: values[s] for name, values in scored.per_function.items()},
                 "length": lengths[s], "truncated": truncated[s], "columns": rows[p],
                 **({"turns": out.segments[p][s % k]} if out.segments else {}),
+                **({"environment": out.environments[p][s % k]._asdict()} if out.environments else {}),
             })
     return metrics
 
@@ -162,7 +163,8 @@ def greedy_accuracy(engine: Engine, heldout: HeldoutSet, max_new_tokens: int,
     from grpo_cli.rewards import correctness_name
     from grpo_cli.rollout import Sampling
 
-    out = engine.generate(heldout.prompt_ids, Sampling(1, 0.0, 1.0, max_new_tokens), list(range(len(heldout.rows))))
+    out = engine.generate(heldout.prompt_ids, Sampling(1, 0.0, 1.0, max_new_tokens), list(range(len(heldout.rows))),
+                          heldout.rows)
     scored = heldout.score(out, max_tokens or max_new_tokens)
     correct = scored.per_function[correctness_name(heldout.rewards)]  # [N]
     return _mean(correct), {tier: _mean([correct[i] for i in idx]) for tier, idx in _tiers(heldout.rows).items()}

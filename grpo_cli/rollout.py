@@ -50,9 +50,10 @@ class Rollouts:
     model_mask: list[list[list[int]]] = field(default_factory=list)  # [P][G][T_i] 1 on the model's tokens, 0 on the tools'
     segments: list[list[list[dict]]] = field(default_factory=list)  # [P][G] the turns: {"role": "model"|"tool", "text", ...}
     capped: list[list[str | None]] = field(default_factory=list)  # [P][G] the tool-run cap that stopped it, or None
+    environments: list[list[Any]] = field(default_factory=list)  # [P][G] with rollout.environment: its EnvironmentEnd
 
     FIELDS = ("prompt_ids", "completion_ids", "sampling_logprobs", "texts", "truncated", "model_mask", "segments",
-              "capped")
+              "capped", "environments")
 
     @property
     def num_tokens(self) -> int:
@@ -71,6 +72,14 @@ class Rollouts:
             return None
         return [[{k: s[k] for k in ("tool", "argument", "result", "ok")} for s in segments if s["role"] == "tool"]
                 for group in self.segments for segments in group]
+
+    def environment_results(self) -> tuple[list[dict | None], list[float | None]] | None:
+        """([P*G] each trajectory's environment state, [P*G] its reward()), or None without an environment:
+        what the rewards receive as `environment_state` and `environment_reward`."""
+        if not self.environments:
+            return None
+        ends = [end for group in self.environments for end in group]
+        return [end.state for end in ends], [end.reward for end in ends]
 
     def loss_mask(self, p: int, g: int) -> list[int]:
         """[T] 1 on the tokens the model sampled (all of them in a single-turn completion)."""
@@ -100,7 +109,10 @@ class Engine(Protocol):
 
     tokenizer: Any
 
-    def generate(self, prompt_ids: list[list[int]], sampling: Sampling, seeds: list[int]) -> Rollouts: ...
+    def generate(self, prompt_ids: list[list[int]], sampling: Sampling, seeds: list[int],
+                 rows: list[dict] | None = None) -> Rollouts:
+        """[P][G] samples of the P prompts, prompt i from seeds[i]. `rows`: the prompts' dataset rows, which a
+        tool run's environment is built from (an engine without one ignores them)."""
 
     def push_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None: ...
 
@@ -213,7 +225,8 @@ class VLLMEngine:
         )
         self.tokenizer = self.llm.get_tokenizer()
 
-    def generate(self, prompt_ids: list[list[int]], sampling: Sampling, seeds: list[int]) -> Rollouts:
+    def generate(self, prompt_ids: list[list[int]], sampling: Sampling, seeds: list[int],
+                 rows: list[dict] | None = None) -> Rollouts:
         from vllm import SamplingParams
 
         group_size = sampling.n
@@ -301,7 +314,8 @@ class HFEngine:
         self.tokenizer = tokenizer
         self.autocast = autocast or contextlib.nullcontext  # () -> the compute context (bf16 autocast on CUDA)
 
-    def generate(self, prompt_ids: list[list[int]], sampling: Sampling, seeds: list[int]) -> Rollouts:
+    def generate(self, prompt_ids: list[list[int]], sampling: Sampling, seeds: list[int],
+                 rows: list[dict] | None = None) -> Rollouts:
         import torch
 
         eos = self.tokenizer.eos_token_id
@@ -414,11 +428,13 @@ class ShardedEngine(WrappedEngine):
         super().__init__(engine)
         self.dist, self.tp = dist, tensor_parallel_size
 
-    def generate(self, prompt_ids: list[list[int]], sampling: Sampling, seeds: list[int]) -> Rollouts:
+    def generate(self, prompt_ids: list[list[int]], sampling: Sampling, seeds: list[int],
+                 rows: list[dict] | None = None) -> Rollouts:
         from grpo_cli.dist import contiguous_share
 
         mine = contiguous_share(len(prompt_ids), self.dist.rank // self.tp, self.dist.world_size // self.tp)
-        part = self.engine.generate(prompt_ids[mine.start:mine.stop], sampling, seeds[mine.start:mine.stop]) \
+        part = self.engine.generate(prompt_ids[mine.start:mine.stop], sampling, seeds[mine.start:mine.stop],
+                                    rows[mine.start:mine.stop] if rows is not None else None) \
             if len(mine) else \
             Rollouts([], [], [], [], [])
         if isinstance(self.engine, HFEngine) and not len(mine):

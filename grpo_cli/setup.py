@@ -80,9 +80,9 @@ def preflight(cfg: TrainConfig) -> Task:
         raise UsageError(f"rollout.prompts_per_step: {cfg.rollout.prompts_per_step} does not split over {world} "
                          "processes (WORLD_SIZE); make it a multiple of the process count")
     train_rows, heldout_rows = data.load_splits(cfg.data)
-    if cfg.rollout.tools and train_rows and "tool_calls" in train_rows[0]:
-        raise UsageError("data: a column is named 'tool_calls', which a tool run's rewards receive as the "
-                         "trajectories' calls; rename the column")
+    if cfg.rollout.multi_turn and train_rows and (taken := [c for c in TOOL_RUN_KWARGS if c in train_rows[0]]):
+        raise UsageError(f"data: a column is named '{taken[0]}', which a tool run's rewards receive from the "
+                         "trajectories; rename the column")
     reward_fns = rewards.load_rewards(cfg.rewards)
     rewards.validate_columns(train_rows, reward_fns)
     rewards.validate_columns(heldout_rows, reward_fns)
@@ -100,10 +100,29 @@ def preflight(cfg: TrainConfig) -> Task:
         raise UsageError(f"model.name_or_path: {reason}")
     from grpo_cli.tools import load_tools
 
-    tools = load_tools(cfg.rollout.tools, cfg.rollout.tool_format)
+    tools = load_tools(cfg.rollout.tools, cfg.rollout.tool_format, cfg.rollout.environment)
+    check_environment(tools, reward_fns, {"train": train_rows, "held-out": heldout_rows})
     task = Task(train_rows, heldout_rows, reward_fns, model_path, load_tokenizer(model_path), cfg.data, tools)
     check_prompt_lengths(task, cfg)
     return task
+
+
+TOOL_RUN_KWARGS = ("tool_calls", "environment_state", "environment_reward")  # what a tool run's rewards receive
+
+
+def check_environment(tools: list, reward_fns: list, splits: dict[str, list[dict[str, Any]]]) -> None:
+    """The environment's columns are in every row, and the `environment` reward has an environment with a
+    reward() to return."""
+    from grpo_cli.tools.environment import check_rows
+    from grpo_cli.tools.load import environment_of
+
+    env = environment_of(tools)
+    for name, rows in splits.items():
+        check_rows(env, rows, name)
+    if any(r.name == "environment" for r in reward_fns) and (env is None or not env.has_reward):
+        raise UsageError("rewards: 'environment' returns the environment's reward(), and "
+                         + ("rollout.environment.cls names no environment" if env is None else
+                            f"{env.name} defines no reward() method"))
 
 
 def check_prompt_lengths(task: Task, cfg: TrainConfig) -> None:
@@ -117,7 +136,7 @@ def check_prompt_lengths(task: Task, cfg: TrainConfig) -> None:
         texts = [render_row(row, cfg.data, task.tokenizer, task.tool_schemas) for row in rows]
         lengths = [len(ids) for ids in task.tokenizer(texts, add_special_tokens=False)["input_ids"]]
         worst = max(range(len(rows)), key=lengths.__getitem__)
-        key = "rollout.max_trajectory_tokens" if cfg.rollout.tools else "rollout.max_new_tokens"
+        key = "rollout.max_trajectory_tokens" if cfg.rollout.multi_turn else "rollout.max_new_tokens"
         if lengths[worst] + cfg.rollout.trajectory_tokens > context:
             raise UsageError(f"{name} row {worst}: its prompt of {lengths[worst]} tokens + {key}="
                              f"{cfg.rollout.trajectory_tokens} exceeds the model's context of {context} tokens; lower "

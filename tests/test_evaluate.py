@@ -95,7 +95,7 @@ class ScriptedEngine:
         self.texts, self.truncated = texts, truncated
         self.tokenizer = type("Decoder", (), {"decode": staticmethod(lambda ids: f"prompt {ids}")})()
 
-    def generate(self, prompt_ids, sampling, seeds):
+    def generate(self, prompt_ids, sampling, seeds, rows=None):
         from grpo_cli.rollout import Rollouts
 
         assert len(self.texts) == len(prompt_ids) and all(len(g) == sampling.n for g in self.texts)

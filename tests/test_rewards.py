@@ -181,7 +181,7 @@ def test_load_builtin_and_custom(custom_module):
     assert load_reward("correct") is correct
     assert load_reward("format") is format_ok
     assert set(BUILTIN_REWARDS) == {"correct", "format", "overlong", "math_equal", "think_format", "single_answer", "countdown",
-                                   "countdown_valid"}
+                                   "countdown_valid", "environment"}
     fn = load_reward(f"{custom_module}:length_penalty")
     assert fn(["abcd"]) == [-0.04]
 

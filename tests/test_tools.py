@@ -55,6 +55,14 @@ SUBTOTAL_TOOL = ["rollout.tools=[{function:calculator,open:'subtotal: ',close:' 
                  "rollout.tool_result_tags=['','']", "rollout.max_turns=3", "rollout.max_trajectory_tokens=200"]
 
 
+# The same task with the tool a method of an environment: each sample's own Ledger (below), whose reward()
+# (a subtotal equal to the answer) is a reward of the run.
+SUBTOTAL_ENVIRONMENT = ["rollout.environment.cls=test_tools:Ledger", "rollout.environment.timeout_s=null",
+                        "+rollout.environment.tags.subtotal=['subtotal: ',' = ']", "rollout.tool_result_tags=['','']",
+                        "rollout.max_turns=3", "rollout.max_trajectory_tokens=200",
+                        "rewards=[{name:correct,correctness:true},{name:format,weight:0.1},{name:environment,weight:0.5}]"]
+
+
 # ------------------------------------------------------------------------------------------- the parts
 
 
@@ -198,6 +206,151 @@ def test_python_runs_in_an_empty_directory_without_the_trainers_secrets(monkeypa
     assert "OPENAI_API_KEY" not in names and "HF_TOKEN" not in names
 
 
+# ------------------------------------------------------------------------------------ environments
+
+
+class Ledger:
+    """A test environment: the subtotals one trajectory asked for. Each result says how many it has asked
+    for so far, so a reply shows whether the instance kept its state between calls."""
+
+    def __init__(self, answer, tier=0):
+        self.answer, self.subtotals = answer, []
+
+    def subtotal(self, expression: str) -> str:
+        """Add up a subtotal.
+
+        Args:
+            expression: the arithmetic to do
+        """
+        value = calculator(expression)
+        self.subtotals.append(value)
+        return f"#{len(self.subtotals)} {value}"
+
+    def hang(self, argument):
+        time.sleep(60)
+
+    def reward(self):
+        return float(any(value == f"{float(self.answer):.2f}" for value in self.subtotals))
+
+
+class Untyped:
+    def __init__(self, **row):
+        self.row = row
+
+    def look(self, a, b):
+        return "two arguments"
+
+
+class Positional:
+    def __init__(self, answer, /):
+        pass
+
+    def look(self, argument):
+        return ""
+
+
+class NoTools:
+    def __init__(self, answer):
+        pass
+
+    def reward(self):
+        return 0.0
+
+
+def environment(cls, **spec):
+    from grpo_cli.config import EnvironmentSpec
+
+    return EnvironmentSpec(cls=f"test_tools:{cls}", **spec)
+
+
+@pytest.mark.parametrize("spec, fmt, message", [
+    (environment("no_such_class"), "tags", "rollout.environment.cls: environment 'test_tools:no_such_class': module "
+     "'test_tools' has no function"),
+    (environment("upper"), "tags", "rollout.environment.cls: 'test_tools:upper' is not a class"),
+    (environment("NoTools"), "tags", "has no public method, so the model would have no tool"),
+    (environment("Positional"), "tags", "__init__ takes answer by position"),
+    (environment("Untyped"), "tags", "rollout.environment (look): a tool is called with one argument"),
+    (environment("Ledger", tags={"subtotals": ["<s>", "</s>"]}), "tags",
+     "rollout.environment.tags: subtotals is not one of test_tools:Ledger's tools (subtotal, hang)"),
+    (environment("Ledger"), "chat", "rollout.environment (hang): the chat format shows a tool to the model as a JSON "
+     "schema"),
+])
+def test_a_bad_environment_is_named_before_any_model_loads(spec, fmt, message):
+    with pytest.raises(UsageError, match=re.escape(message)):
+        load_tools([], fmt, spec)
+
+
+def test_an_environments_columns_and_its_reward_are_checked_at_the_edge():
+    from grpo_cli.config import RewardSpec
+    from grpo_cli.rewards import load_rewards
+    from grpo_cli.setup import check_environment
+
+    ledger = load_tools([], "tags", environment("Ledger", timeout_s=None))
+    assert [t.name for t in ledger] == ["subtotal", "hang"] and ledger[0].open == "<subtotal>"
+    env_reward = load_rewards([RewardSpec(name="environment")])
+    check_environment(ledger, env_reward, {"train": [{"answer": "1", "question": "q"}]})
+    with pytest.raises(UsageError, match=re.escape("Ledger is built from the column(s) answer, which held-out row 1 "
+                                                   "lacks (columns present: question)")):
+        check_environment(ledger, env_reward, {"held-out": [{"answer": "1"}, {"question": "q"}]})
+    with pytest.raises(UsageError, match="rewards: 'environment' returns the environment's reward\\(\\), and "
+                                         "rollout.environment.cls names no environment"):
+        check_environment(load_tools([ToolSpec(function="calculator")]), env_reward, {"train": []})
+
+
+def test_grpo_check_prints_the_environment_and_train_refuses_a_bad_one_before_loading(cli):
+    checked = cli("check", "recipe=bike_pricing", *SUBTOTAL_ENVIRONMENT)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert "environment: test_tools:Ledger, one instance per sample built from its row; its public methods are tools " \
+           "(tags: subtotal subtotal: ...)" in checked.stdout
+    refused = cli("train", "recipe=bike_pricing", "rollout.environment.cls=test_tools:NoTools")
+    assert refused.returncode == 2 and "test_tools:NoTools has no public method" in refused.stderr
+    assert "vLLM" not in refused.stdout + refused.stderr  # refused at the edge: no engine started
+
+
+def test_each_sample_has_its_own_instance_and_a_killed_worker_rebuilds_them_by_replay():
+    subtotal, hang = load_tools([], "tags", environment("Ledger", timeout_s=2.0))
+    env = subtotal.environment
+    row = {"answer": "7", "question": "unused: only the columns __init__ names travel"}
+    a, b = env.new_key(), env.new_key()
+    history_a: list = []
+    for expression, expected in (("3+4", "#1 7.00"), ("1+1", "#2 2.00")):
+        text, ok, replay = env.call(a, row, history_a, "subtotal", expression)
+        assert (text, ok, replay) == (expected, True, "replay")
+        history_a.append(("subtotal", expression))
+    assert env.call(b, row, [], "subtotal", "5*5") == ("#1 25.00", True, "replay")  # b's own ledger, not a's
+    text, ok, replay = env.call(b, row, [("subtotal", "5*5")], "hang", "x")
+    assert not ok and "timed out after 2 s" in text and replay == "lost"  # the worker, and a's instance, are gone
+    assert env.call(a, row, history_a, "subtotal", "0.5+0.5") == ("#3 1.00", True, "replay")  # rebuilt: 2 replayed
+    history_a.append(("subtotal", "0.5+0.5"))
+    end = env.end(a, row, history_a)
+    assert end.error is None and end.state == {"answer": "7", "subtotals": ["7.00", "2.00", "1.00"]} and end.reward == 1.0
+    assert env.end(b, row, [("subtotal", "5*5")]).reward == 0.0  # rebuilt without the call that hung
+    env.close()
+
+
+def test_an_environment_trajectory_keeps_its_state_across_turns_and_the_rewards_read_it(tokenizer):
+    from grpo_cli.config import RewardSpec
+    from grpo_cli.rewards import load_rewards, score
+
+    engine = ScriptedEngine(tokenizer, [" a <subtotal>3*18</subtotal>", " then <subtotal>54+6</subtotal>",
+                                        "\nAnswer: 60.00"])
+    tools = load_tools([], "tags", environment("Ledger", timeout_s=None))
+    fmt = TagFormat(tuple((t.name, t.open, t.close) for t in tools), "<result>", "</result>")
+    rows = [{"answer": "60", "question": "Q"}]
+    out = ToolEngine(engine, tools, fmt, CAPS).generate([tokenizer("Q:", add_special_tokens=False)["input_ids"]],
+                                                        Sampling(1, 1.0, 1.0, 48), [7], rows)
+    assert out.texts[0][0] == (" a <subtotal>3*18</subtotal><result>#1 54.00</result> then <subtotal>54+6</subtotal>"
+                               "<result>#2 60.00</result>\nAnswer: 60.00")
+    end = out.environments[0][0]
+    assert end.state["subtotals"] == ["54.00", "60.00"] and end.reward == 1.0
+    assert tool_metrics(out)["tools/environment_failed"] == 0.0
+    scored = score(load_rewards([RewardSpec(name="environment")]), out.texts[0], {"answer": ["60"]}, "answer_line",
+                   environment=out.environment_results())
+    assert scored.per_function["environment"] == [1.0]
+    with pytest.raises(ValueError, match="pass generate\\(..., rows=\\)"):
+        ToolEngine(engine, tools, fmt, CAPS).generate([[1]], Sampling(1, 1.0, 1.0, 48), [7])
+
+
 # ------------------------------------------------------------------------------------ the turn loop
 
 
@@ -208,7 +361,7 @@ class ScriptedEngine:
     def __init__(self, tokenizer, texts):
         self.tokenizer, self.texts, self.requests = tokenizer, texts, []
 
-    def generate(self, prompt_ids, sampling, seeds):
+    def generate(self, prompt_ids, sampling, seeds, rows=None):
         assert len(prompt_ids) * sampling.n <= 1
         self.requests.append((len(prompt_ids), sampling.n, sampling.stop, sampling.max_new_tokens))
         text = self.texts[len(self.requests) - 1]
@@ -482,14 +635,15 @@ def test_the_train_batch_masks_tool_tokens_out_of_the_loss_and_the_normalizer():
 
 def test_a_tool_run_trains_on_vllm_with_trajectories_of_several_turns(tmp_path, vllm_engine, shipped_weights):
     """Three real steps of the bike task with the subtotal tool on the session's vLLM engine: trajectories of
-    2-3 turns, tool results in completions.jsonl, the push check passing at every step."""
+    2-3 turns, tool results in completions.jsonl, the push check passing at every step. The tool is a method
+    of an environment (each sample's own Ledger), whose reward() is one of the rewards."""
     from grpo_cli import train
     from grpo_cli.cli import load_config
 
     cfg = load_config("train", ["recipe=bike_pricing", "trainer.steps=3", "rollout.prompts_per_step=4",
                                 "rollout.group_size=4", "eval.num_problems=8", "eval.every=3", "checkpoint.every=0",
                                 "rollout.push_check_every=1", "logging.samples_every=1", f"output_dir={tmp_path}",
-                                *SUBTOTAL_TOOL])
+                                *SUBTOTAL_ENVIRONMENT])
     try:
         assert train.run(cfg, tmp_path / "run", engine=vllm_engine) == 0
     finally:
@@ -502,5 +656,11 @@ def test_a_tool_run_trains_on_vllm_with_trajectories_of_several_turns(tmp_path, 
     assert "eval/tools/calls_per_sample" in steps[-1]  # held-out pass@1 with the tools too
     samples = [json.loads(line) for line in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
     tool_turns = [t for s in samples for t in s["turns"] if t["role"] == "tool"]
-    assert tool_turns and all(t["tool"] == "calculator" and t["text"] in s["completion"]
+    assert tool_turns and all(t["tool"] == "subtotal" and t["text"] in s["completion"]
                               for s in samples for t in s["turns"] if t["role"] == "tool")
+    for s in samples:  # each sample's own ledger: one subtotal per call it made, numbered from 1
+        calls = [t for t in s["turns"] if t["role"] == "tool"]
+        assert len(s["environment"]["state"]["subtotals"]) == len(calls)
+        assert [t["result"].split()[0] for t in calls] == [f"#{i + 1}" for i in range(len(calls))]
+        assert s["rewards"]["environment"] == s["environment"]["reward"]
+    assert all(m["tools/environment_failed"] == 0 and "reward/environment" in m for m in trained)

@@ -180,6 +180,16 @@ def countdown_valid(completions: list, numbers: list, answer_format: str = "answ
     return scores
 
 
+def environment(completions: list, environment_reward: list | None = None, **kwargs: Any) -> list[float]:
+    """Each trajectory's environment's own score, its `reward()` (rollout.environment; docs/tools.md). A
+    trajectory whose environment failed has none: the call fails, and the samples count as failed."""
+    if environment_reward is None:
+        raise ValueError("no environment_reward: the 'environment' reward needs rollout.environment with a reward()")
+    if None in environment_reward:
+        raise ValueError(f"{environment_reward.count(None)} of {len(environment_reward)} environments gave no reward")
+    return [float(r) for r in environment_reward]
+
+
 BUILTIN_REWARDS: dict[str, RewardFn] = {
     "correct": correct,
     "format": format_ok,
@@ -189,5 +199,6 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
     "single_answer": single_answer,
     "countdown": countdown,
     "countdown_valid": countdown_valid,
+    "environment": environment,
 }
 

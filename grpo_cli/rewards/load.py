@@ -120,13 +120,14 @@ def correctness_name(rewards: list[WeightedReward]) -> str:
 
 
 def required_columns(fn: RewardFn) -> list[str]:
-    """Dataset columns a reward function needs: its named parameters without defaults, after `completions`."""
+    """Dataset columns a reward function needs: its named parameters without defaults, after `completions`,
+    less those the scorer passes itself (`tool_calls`, `environment_state`, ...)."""
     try:
         params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):
         return []
     return [p.name for p in params[1:]
-            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is p.empty]
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is p.empty and p.name not in RESERVED]
 
 
 def needed_columns(rewards: list[WeightedReward]) -> list[str]:

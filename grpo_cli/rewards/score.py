@@ -116,19 +116,24 @@ class Scores(NamedTuple):
     dropped: list[bool]  # [N] a reward with on_failure=drop failed on it: it leaves the loss
 
 
-# keyword names the scorer itself passes (the last four when the caller knows them: grpo train, grpo eval;
-# tool_calls in a tool run)
-RESERVED = ("completions", "answer_format", "completion_tokens", "max_new_tokens", "prompt", "tool_calls")
+# keyword names the scorer itself passes (completion_tokens, max_new_tokens and prompt when the caller knows them:
+# grpo train, grpo eval; tool_calls in a tool run; environment_state and environment_reward with an environment)
+RESERVED = ("completions", "answer_format", "completion_tokens", "max_new_tokens", "prompt", "tool_calls",
+            "environment_state", "environment_reward")
+_TOOL_RUN_ONLY = ("tool_calls", "environment_state", "environment_reward")  # reserved only when passed
 
 
 def score(rewards: list[WeightedReward], completions: list, columns: dict[str, list], answer_format: str,
           failures: RewardFailures | None = None, completion_tokens: list[int] | None = None,
           max_new_tokens: int | None = None, prompts: list[str] | None = None,
-          group_size: int | None = None, tool_calls: list[list[dict]] | None = None) -> Scores:
+          group_size: int | None = None, tool_calls: list[list[dict]] | None = None,
+          environment: tuple[list, list] | None = None) -> Scores:
     """Score N completions with every reward; columns are aligned with completions (each [N]).
     `completion_tokens` ([N] the model's token counts), `max_new_tokens` (the cap), `prompts` ([N] the
     question each completion answers, passed as `prompt`) and, in a tool run, `tool_calls` ([N] each
-    trajectory's calls: tool, argument, result, ok) reach the functions when given.
+    trajectory's calls: tool, argument, result, ok) and, with an environment, `environment` (([N] each
+    trajectory's environment state, [N] its reward()), passed as `environment_state` and
+    `environment_reward`) reach the functions when given.
 
     Each function is called once per group of `group_size` consecutive completions (one prompt's
     group; None = all N in one call), in its worker under `timeout_s` when it has one. A function
@@ -136,7 +141,9 @@ def score(rewards: list[WeightedReward], completions: list, columns: dict[str, l
     on_failure=drop those samples are marked in `Scores.dropped`.
     """
     n = len(completions)
-    reserved = [name for name in RESERVED if name != "tool_calls" or tool_calls is not None]
+    states, env_rewards = environment if environment is not None else (None, None)
+    passed = {"tool_calls": tool_calls, "environment_state": states, "environment_reward": env_rewards}
+    reserved = [name for name in RESERVED if name not in _TOOL_RUN_ONLY or passed[name] is not None]
     for name, values in columns.items():
         if name in reserved:
             raise ValueError(f"a dataset column is named '{name}', which reward functions receive as an argument; "
@@ -144,7 +151,7 @@ def score(rewards: list[WeightedReward], completions: list, columns: dict[str, l
         if len(values) != n:
             raise ValueError(f"column '{name}' has {len(values)} values for {n} completions")
     failures = failures if failures is not None else RewardFailures()
-    extra = (("completion_tokens", completion_tokens), ("prompt", prompts), ("tool_calls", tool_calls))
+    extra = (("completion_tokens", completion_tokens), ("prompt", prompts), *passed.items())
     per_sample = {**columns, **{k: v for k, v in extra if v is not None}}
     fixed = {"answer_format": answer_format, **({"max_new_tokens": max_new_tokens} if max_new_tokens else {})}
     per_function, dropped = {}, [False] * n

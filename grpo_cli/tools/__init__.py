@@ -3,6 +3,8 @@
 - builtin.py: the built-in tools (`calculator`; `python`, code in a fresh process under limits).
 - load.py: a recipe's `rollout.tools` list -> loaded, checked tools, each in a killable worker when it
   has a time limit; a call that raises, overruns or returns junk becomes a short error result.
+- environment.py: `rollout.environment`, a class with one instance per sample whose methods are tools
+  and whose `reward()` can score the trajectory; the instances live in a killable worker.
 - tags.py: the tag call format of small plain-text models (`<calc>3*18</calc>` -> `<result>54</result>`).
 - trajectories.py: `ToolEngine`, an engine whose `generate` runs the turns: every unfinished trajectory
   of the step in one engine call per turn, the tools, the environment's reply tokenized once and

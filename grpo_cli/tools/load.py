@@ -29,6 +29,7 @@ class LoadedTool:
     timeout_s: float | None  # per call, in the worker; None = in the trainer's process, no limit
     worker: Any = field(default=None, compare=False, repr=False)  # a RewardWorker when timeout_s is set
     schema: dict | None = field(default=None, compare=False)  # chat format: the JSON schema the model is shown
+    environment: Any = field(default=None, compare=False, repr=False)  # a method of this LoadedEnvironment
 
 
 class ToolResult(NamedTuple):
@@ -78,31 +79,36 @@ def tool_schemas(tools: list[LoadedTool]) -> list[dict] | None:
     return [t.schema for t in tools if t.schema is not None] or None
 
 
-def load_tools(specs: list, tool_format: str = "tags") -> list[LoadedTool]:
-    """The recipe's `rollout.tools` (ToolSpec) -> loaded tools, for `rollout.tool_format`. Fails at the edge,
-    naming the key."""
-    loaded, seen, names = [], set(), set()
+def load_tools(specs: list, tool_format: str = "tags", environment: Any = None) -> list[LoadedTool]:
+    """The recipe's `rollout.tools` (ToolSpec) and `rollout.environment` (EnvironmentSpec: its methods) ->
+    loaded tools, for `rollout.tool_format`. Fails at the edge, naming the key."""
+    from grpo_cli.tools.environment import load_environment
+
+    candidates = []  # (where, name, fn, open, close, timeout_s, environment)
     for i, spec in enumerate(specs):
-        where = f"rollout.tools[{i}]"
-        fn = _load_function(spec.function, f"{where}.function")
+        fn = _load_function(spec.function, f"rollout.tools[{i}].function")
+        candidates.append((f"rollout.tools[{i}]", spec.function, fn, *call_strings(spec), spec.timeout_s, None))
+    env, methods = load_environment(environment, tool_format) if environment is not None else (None, [])
+    for method, stand_in, open_, close in methods:
+        candidates.append((f"rollout.environment ({method})", method, stand_in, open_, close, None, env))
+    loaded, seen, names = [], set(), set()
+    for where, name, fn, open_, close, timeout_s, env in candidates:
         schema = None
         if tool_format == "chat":
             from grpo_cli.tools.chat import tool_schema
 
-            schema = tool_schema(fn, f"{where}.function")
+            schema = tool_schema(fn, f"{where}.function" if env is None else where)
         else:
-            _check_signature(fn, f"{where}.function")
-        short = spec.function.rpartition(":")[2]
-        open_, close = call_strings(spec)
+            _check_signature(fn, f"{where}.function" if env is None else where)
+        short = name.rpartition(":")[2]
         if not close.strip() or any(close in other or other in close for other in seen):
             raise UsageError(f"{where}.close: '{close}' must be non-blank and hold no other tool's close string, nor "
                              "be held in one (the engine stops at the first it meets)")
         seen.add(close)
-        if schema is not None and schema["function"]["name"] in names:
-            raise UsageError(f"{where}.function: a second tool named '{schema['function']['name']}'; the chat format "
-                             "calls tools by their function's name")
-        names.add(schema["function"]["name"] if schema is not None else short)
-        timeout_s = spec.timeout_s
+        called = schema["function"]["name"] if schema is not None else name  # chat calls a tool by its function's name
+        if called in names:
+            raise UsageError(f"{where}: a second tool named '{called}'; tools are told apart by name")
+        names.add(called)
         if timeout_s is not None and not (math.isfinite(timeout_s) and timeout_s > 0):
             raise UsageError(f"{where}.timeout_s: {timeout_s} must be > 0 seconds, or null for no limit")
         worker = None
@@ -112,8 +118,13 @@ def load_tools(specs: list, tool_format: str = "tags") -> list[LoadedTool]:
             from grpo_cli.rewards.worker import RewardWorker
 
             worker = RewardWorker(f"tool-{short}", functools.partial(call_each, tool=fn), float(timeout_s))
-        loaded.append(LoadedTool(spec.function, fn, open_, close, timeout_s, worker, schema))
+        loaded.append(LoadedTool(name, fn, open_, close, timeout_s, worker, schema, env))
     return loaded
+
+
+def environment_of(tools: list[LoadedTool]) -> Any:
+    """The LoadedEnvironment whose methods are among `tools`, or None."""
+    return next((t.environment for t in tools if t.environment is not None), None)
 
 
 def call_each(arguments: list[str | dict], tool: ToolFn) -> list[Any]:
@@ -148,3 +159,5 @@ def close_tools(tools: list[LoadedTool]) -> None:
     for tool in tools:
         if tool.worker is not None:
             tool.worker.close()
+    if (env := environment_of(tools)) is not None:
+        env.close()

@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from grpo_cli.rollout import Rollouts, Sampling, WrappedEngine
 from grpo_cli.tools.chat import ChatFormat
-from grpo_cli.tools.load import LoadedTool, ToolResult, call_tool
+from grpo_cli.tools.environment import EnvironmentEnd
+from grpo_cli.tools.load import MAX_RESULT_CHARS, LoadedTool, ToolResult, call_tool, environment_of
 from grpo_cli.tools.tags import TagFormat
 
 if TYPE_CHECKING:
@@ -58,6 +59,9 @@ class Trajectory:
     calls: int = 0  # tool calls made
     done: bool = False
     capped: str | None = None  # the cap that stopped it: "turn_tokens" | "trajectory_tokens" | "turns" | "tool_calls"
+    row: dict[str, Any] | None = None  # with an environment: the prompt's dataset row, which builds its instance
+    env_key: int = -1  # with an environment: its instance's key in the environment's process
+    env_calls: list[tuple[str, Any]] = field(default_factory=list)  # the calls an instance rebuilt must replay
 
     def add_model(self, ids: list[int], logprobs: list[float], text: str) -> None:
         self.ids += ids
@@ -109,13 +113,21 @@ class ToolEngine(WrappedEngine):
     def __init__(self, engine: Engine, tools: list[LoadedTool], fmt: TagFormat | ChatFormat, caps: ToolCaps) -> None:
         super().__init__(engine)
         self.tools, self.fmt, self.caps = {t.name: t for t in tools}, fmt, caps
+        self.environment = environment_of(tools)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def generate(self, prompt_ids: list[list[int]], sampling: Sampling, seeds: list[int]) -> Rollouts:
-        G, caps, stops = sampling.n, self.caps, self.fmt.stops
+    def generate(self, prompt_ids: list[list[int]], sampling: Sampling, seeds: list[int],
+                 rows: list[dict] | None = None) -> Rollouts:
+        G, caps, stops, env = sampling.n, self.caps, self.fmt.stops, self.environment
+        if env is not None and (rows is None or len(rows) != len(prompt_ids)):
+            raise ValueError("an environment is built from each prompt's dataset row: pass generate(..., rows=)")
         trajectories = [[Trajectory() for _ in range(G)] for _ in prompt_ids]  # [P][G]
+        if env is not None:
+            for row, group in zip(rows, trajectories):
+                for t in group:
+                    t.row, t.env_key = row, env.new_key()  # a fresh instance per sample
         turn = sampling._replace(stop=tuple(stops),
                                  max_new_tokens=min(sampling.max_new_tokens, caps.max_trajectory_tokens))
         first = self.engine.generate(prompt_ids, turn, seeds)  # [P][G]: the single-turn samples, up to a stop
@@ -134,7 +146,8 @@ class ToolEngine(WrappedEngine):
                 self._absorb(trajectories[p][g], out.completion_ids[r][0], out.sampling_logprobs[r][0],
                              out.truncated[r][0], sampling.max_new_tokens)
             call += 1
-        return self._rollouts(prompt_ids, trajectories)
+        ends = [[env.end(t.env_key, t.row, t.env_calls) for t in group] for group in trajectories] if env else []
+        return self._rollouts(prompt_ids, trajectories, ends)
 
     def _room(self, t: Trajectory, turn_cap: int) -> int:
         """The tokens the model may still write in this turn: its turn's cap and the trajectory's."""
@@ -173,7 +186,16 @@ class ToolEngine(WrappedEngine):
     def _reply(self, t: Trajectory, tool_name: str, argument: str | dict) -> None:
         """Run the tool and append its reply, tokenized once (its result cut to max_tool_result_tokens). A
         call the model wrote badly (tool "") gets the reason as an error, and counts as failed."""
-        result = call_tool(self.tools[tool_name], argument) if tool_name else ToolResult(f"error: {argument}", False)
+        tool = self.tools.get(tool_name)
+        if tool is None:
+            result = ToolResult(f"error: {argument}", False)
+        elif tool.environment is not None:  # a method of this trajectory's own instance
+            text, ok, replay = tool.environment.call(t.env_key, t.row, t.env_calls, tool_name, argument)
+            result = ToolResult(text[:MAX_RESULT_CHARS], ok)
+            if replay == "replay":
+                t.env_calls.append((tool_name, argument))
+        else:
+            result = call_tool(tool, argument)
         result_ids = self.tokenizer(result.text, add_special_tokens=False)["input_ids"]
         text = result.text
         if len(result_ids) > self.caps.max_tool_result_tokens:
@@ -189,14 +211,15 @@ class ToolEngine(WrappedEngine):
         else:
             t.turns += 1
 
-    def _rollouts(self, prompt_ids: list[list[int]], trajectories: list[list[Trajectory]]) -> Rollouts:
+    def _rollouts(self, prompt_ids: list[list[int]], trajectories: list[list[Trajectory]],
+                  ends: list[list[EnvironmentEnd]]) -> Rollouts:
         texts = [[self._decode(t.ids) for t in group] for group in trajectories]  # [P][G] with the tool results
         return Rollouts(prompt_ids, [[t.ids for t in group] for group in trajectories],
                         [[t.logprobs for t in group] for group in trajectories], texts,
                         [[t.capped is not None for t in group] for group in trajectories],
                         model_mask=[[t.model_mask for t in group] for group in trajectories],
                         segments=[[t.segments for t in group] for group in trajectories],
-                        capped=[[t.capped for t in group] for group in trajectories])
+                        capped=[[t.capped for t in group] for group in trajectories], environments=ends)
 
 
 def tool_metrics(rollouts: Rollouts) -> dict[str, float]:
@@ -220,6 +243,9 @@ def tool_metrics(rollouts: Rollouts) -> dict[str, float]:
         **{f"tools/calls/{name}": count / n for name, count in sorted(per_tool.items())},
         **{f"tools/capped/{cap}": caps[cap] / n for cap in ("turn_tokens", "trajectory_tokens", "turns", "tool_calls")},
     }
+    if rollouts.environments:  # an environment: the share whose instance failed (raised, timed out at the end)
+        ends = [end for group in rollouts.environments for end in group]
+        metrics["tools/environment_failed"] = sum(end.error is not None for end in ends) / n
     return metrics
 
 

@@ -349,7 +349,8 @@ class TrainConfig:
                  "dist.nnodes); make it a multiple of the process count")
         _require(not (self.rollout.multi_turn and self.rollout.tool_format == "chat" and self.data.template != "chat"),
                  "rollout.tool_format", "chat shows the tools through the chat template; set data.template=chat")
-        _require(not (self.rollout.multi_turn and self.rollout.engine == "hf" and world > 1), "rollout.tools",
+        _require(not (self.rollout.multi_turn and self.rollout.engine == "hf" and world > 1),
+                 "rollout.tools" if self.rollout.tools else "rollout.environment.cls",
                  "with rollout.engine=hf at several processes each rank's generate gathers the sharded policy, and "
                  "ranks whose trajectories take different numbers of turns would not pair up; use rollout.engine=vllm")
         device = self.trainer.device

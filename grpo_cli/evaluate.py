@@ -163,14 +163,14 @@ def evaluate_targets(cfg: EvalCommandConfig, targets: list[runs.Target], rows: l
     from grpo_cli.prompts import render_row
     from grpo_cli.rollout import Sampling, sample_seeds
     from grpo_cli.runtime import cpu_threads, set_threads
-    from grpo_cli.setup import check_environment
+    from grpo_cli.setup import check_tool_run
     from grpo_cli.tools import load_tools
-    from grpo_cli.tools.load import tool_schemas
+    from grpo_cli.tools.load import close_tools, tool_schemas
     from grpo_cli.tools.trajectories import with_tools
 
     # the run's tools and environment: pass@k measures the model with them
     tools = load_tools(cfg.rollout.tools, cfg.rollout.tool_format, cfg.rollout.environment)
-    check_environment(tools, reward_fns, {"held-out": rows})  # before any model loads, as the rest of the edge checks
+    check_tool_run(tools, reward_fns, {"held-out": rows})  # before any model loads, as the rest of the edge checks
     schemas = tool_schemas(tools)
     set_threads(cpu_threads(cfg.trainer.threads))  # before the engine starts
     tokenizer = load_tokenizer(str(targets[0].path))
@@ -207,6 +207,7 @@ def evaluate_targets(cfg: EvalCommandConfig, targets: list[runs.Target], rows: l
         all_samples += [{"checkpoint": metrics["checkpoint"], **s} for s in samples or []]
         print(f"grpo eval: [{i + 1}/{len(targets)}] {target.label}: pass@1 {metrics['pass@1']:.3f} "
               f"({time.time() - tick:.0f}s)", flush=True)
+    close_tools(tools)
     return results, all_samples
 
 

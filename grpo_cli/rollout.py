@@ -22,6 +22,7 @@ weights are pushed into woken memory and the check runs on what will sample.
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
@@ -104,6 +105,21 @@ class Sampling(NamedTuple):
     stop: tuple[str, ...] = ()
 
 
+class Request(NamedTuple):
+    """One sequence to continue (VLLMEngine.generate_each): `key` names it to the caller."""
+
+    key: Any
+    prompt_ids: list[int]  # the prompt and everything after it so far
+    sampling: Sampling  # n = 1
+    seed: int
+
+
+class Completion(NamedTuple):
+    ids: list[int]  # the sampled token ids
+    logprobs: list[float]  # each one's sampling logprob
+    truncated: bool  # stopped by max_new_tokens
+
+
 class Engine(Protocol):
     """What the loop asks of a rollout engine (VLLMEngine, HFEngine, or a rank's ShardedEngine)."""
 
@@ -149,6 +165,7 @@ def max_model_len(model_path: str, model: ModelConfig) -> int:
 # large token budget and `generate` submits requests in waves whose prefill fits in one step.
 CPU_MAX_BATCHED_TOKENS = 32768  # tokens per engine step (prefill + decode)
 CPU_MAX_SEQS = 512  # sequences running at once
+CPU_TOOL_BLOCK_SIZE = 32  # KV-cache block (prefix-cache unit) of a tool run on CPU; the backend wants multiples of 32
 
 
 def prefill_waves(prompt_lens: list[int], n: int, token_budget: int, seq_budget: int) -> list[list[int]]:
@@ -205,6 +222,9 @@ class VLLMEngine:
             kwargs["kv_cache_memory_bytes"] = int(rollout.kv_cache_gib * 2**30)
             kwargs["max_num_batched_tokens"] = CPU_MAX_BATCHED_TOKENS
             kwargs["max_num_seqs"] = CPU_MAX_SEQS
+            if rollout.multi_turn:  # a turn's request re-reads prompt + trajectory; the CPU default block of
+                # 128 tokens caches almost none of that prefix, 32 caches most (docs/tools.md, "What it costs")
+                kwargs["block_size"] = CPU_TOOL_BLOCK_SIZE
         if world_size > 1:  # engines inside the torchrun ranks, on the job's process group (docs/design.md)
             kwargs["distributed_executor_backend"] = "external_launcher"
             kwargs["tensor_parallel_size"] = rollout.tensor_parallel_size  # consecutive ranks share one engine
@@ -224,6 +244,7 @@ class VLLMEngine:
             **kwargs,
         )
         self.tokenizer = self.llm.get_tokenizer()
+        self.request_ids = itertools.count()  # generate_each's request ids
 
     def generate(self, prompt_ids: list[list[int]], sampling: Sampling, seeds: list[int],
                  rows: list[dict] | None = None) -> Rollouts:
@@ -257,6 +278,48 @@ class VLLMEngine:
                                            skip_special_tokens=True)  # [P*G], what vLLM's own text would be
         texts = [flat[p * group_size:(p + 1) * group_size] for p in range(len(completion_ids))]
         return Rollouts(prompt_ids, completion_ids, logprobs, texts, truncated)
+
+    def generate_each(self, requests: list[Request], on_finish: Callable[[Any, Completion], Request | None]) -> None:
+        """Sample each request (n = 1, its own seed) and hand each completion to `on_finish` as soon as it
+        finishes; what `on_finish` returns (the request that continues it: a tool's reply appended) joins the
+        running batch at the next engine step. So no request waits for the slowest of a batch, and the engine
+        steps until nothing runs. The multi-turn tool loop's continuation turns (tools.trajectories)."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        engine, keys, pending = self.llm.llm_engine, {}, list(requests)
+        budget = CPU_MAX_BATCHED_TOKENS // 2 if self.on_cpu else None  # no chunked prefill on CPU (see above)
+
+        def add_pending() -> None:
+            added = 0
+            while pending and (budget is None or not added or added + len(pending[0].prompt_ids) <= budget):
+                request = pending.pop(0)
+                stop = {"stop": list(request.sampling.stop), "include_stop_str_in_output": True} \
+                    if request.sampling.stop else {}
+                params = SamplingParams(n=1, temperature=request.sampling.temperature, top_p=request.sampling.top_p,
+                                        max_tokens=request.sampling.max_new_tokens, logprobs=0, seed=request.seed,
+                                        detokenize=bool(stop), output_kind=RequestOutputKind.FINAL_ONLY, **stop)
+                request_id = f"grpo-each-{next(self.request_ids)}"
+                keys[request_id] = request.key
+                internal_id = engine.add_request(request_id, {"prompt_token_ids": request.prompt_ids}, params)
+                if stop:  # stop strings need the detokenizer, which then also decodes each sampled logprob's
+                    # token (a third of a tool step's engine time on CPU); only the ids are read, so drop that
+                    state = engine.output_processor.request_states.get(internal_id)
+                    if state is not None and state.logprobs_processor is not None:
+                        state.logprobs_processor.tokenizer = None
+                added += len(request.prompt_ids)
+
+        add_pending()
+        while engine.has_unfinished_requests() or pending:
+            for out in engine.step():
+                if not out.finished:
+                    continue
+                c = out.outputs[0]
+                completion = Completion(list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)],
+                                        c.finish_reason == "length")
+                if (follow := on_finish(keys.pop(out.request_id), completion)) is not None:
+                    pending.append(follow)
+            add_pending()
 
     def push_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
         """Load the trainer's current weights into the engine, in place, then drop stale KV blocks.

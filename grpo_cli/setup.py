@@ -80,9 +80,6 @@ def preflight(cfg: TrainConfig) -> Task:
         raise UsageError(f"rollout.prompts_per_step: {cfg.rollout.prompts_per_step} does not split over {world} "
                          "processes (WORLD_SIZE); make it a multiple of the process count")
     train_rows, heldout_rows = data.load_splits(cfg.data)
-    if cfg.rollout.multi_turn and train_rows and (taken := [c for c in TOOL_RUN_KWARGS if c in train_rows[0]]):
-        raise UsageError(f"data: a column is named '{taken[0]}', which a tool run's rewards receive from the "
-                         "trajectories; rename the column")
     reward_fns = rewards.load_rewards(cfg.rewards)
     rewards.validate_columns(train_rows, reward_fns)
     rewards.validate_columns(heldout_rows, reward_fns)
@@ -101,7 +98,7 @@ def preflight(cfg: TrainConfig) -> Task:
     from grpo_cli.tools import load_tools
 
     tools = load_tools(cfg.rollout.tools, cfg.rollout.tool_format, cfg.rollout.environment)
-    check_environment(tools, reward_fns, {"train": train_rows, "held-out": heldout_rows})
+    check_tool_run(tools, reward_fns, {"train": train_rows, "held-out": heldout_rows})
     task = Task(train_rows, heldout_rows, reward_fns, model_path, load_tokenizer(model_path), cfg.data, tools)
     check_prompt_lengths(task, cfg)
     return task
@@ -110,19 +107,36 @@ def preflight(cfg: TrainConfig) -> Task:
 TOOL_RUN_KWARGS = ("tool_calls", "environment_state", "environment_reward")  # what a tool run's rewards receive
 
 
-def check_environment(tools: list, reward_fns: list, splits: dict[str, list[dict[str, Any]]]) -> None:
-    """The environment's columns are in every row, and the `environment` reward has an environment with a
-    reward() to return."""
+def check_tool_run(tools: list, reward_fns: list, splits: dict[str, list[dict[str, Any]]]) -> None:
+    """What the rewards receive from the trajectories: no column takes one of those names, a reward that needs
+    one has it (tools, an environment), the environment's columns are in every row, and the `environment`
+    reward has a reward() to return."""
+    import inspect
+
     from grpo_cli.tools.environment import check_rows
     from grpo_cli.tools.load import environment_of
 
     env = environment_of(tools)
+    given = {"tool_calls": bool(tools), "environment_state": env is not None,
+             "environment_reward": env is not None and env.has_reward}
     for name, rows in splits.items():
+        columns = set().union(*rows) if rows else set()
+        if tools and (taken := sorted(columns & set(TOOL_RUN_KWARGS))):
+            raise UsageError(f"data: a {name} column is named '{taken[0]}', which a tool run's rewards receive from "
+                             "the trajectories; rename the column")
         check_rows(env, rows, name)
-    if any(r.name == "environment" for r in reward_fns) and (env is None or not env.has_reward):
-        raise UsageError("rewards: 'environment' returns the environment's reward(), and "
-                         + ("rollout.environment.cls names no environment" if env is None else
-                            f"{env.name} defines no reward() method"))
+    for i, r in enumerate(reward_fns):
+        try:
+            params = inspect.signature(r.fn).parameters.values()
+        except (TypeError, ValueError):
+            continue
+        needed = [p.name for p in params if p.name in given and not given[p.name] and p.default is p.empty]
+        if r.name == "environment" and not given["environment_reward"]:
+            needed = ["environment_reward"]
+        if needed:
+            has = ("no tools" if not tools else "no rollout.environment.cls" if env is None else
+                   f"{env.name} defines no reward()")
+            raise UsageError(f"rewards[{i}]: '{r.name}' needs {needed[0]}, which this run cannot give it ({has})")
 
 
 def check_prompt_lengths(task: Task, cfg: TrainConfig) -> None:

@@ -44,6 +44,7 @@ def run(cfg: TrainConfig, run_dir: Path, engine: Engine | None = None) -> int:
     from grpo_cli.metrics import StepTimer, rank_metrics, step_metrics
     from grpo_cli.setup import preflight, setup_torch, start_run
     from grpo_cli.sync import maybe_push_check, push_to_engine, release_engine
+    from grpo_cli.tools.load import close_tools
     from grpo_cli.update import fill_logprobs, loss_params, update
     from grpo_cli.watch import NonFiniteGuard
 
@@ -89,6 +90,7 @@ def run(cfg: TrainConfig, run_dir: Path, engine: Engine | None = None) -> int:
     finally:
         stop.restore()
         out.close()
+        close_tools(task.tools)  # the tools' and the environment's workers
     state.dist.barrier()  # every rank is done; then a normal exit (destroy_process_group aborts on gloo: docs/design.md)
     if state.dist.is_main:
         out.summary(time.time() - started)

@@ -17,7 +17,7 @@ import pytest
 from grpo_cli.config import ConfigError, RolloutConfig, ToolSpec
 from grpo_cli.errors import UsageError
 from grpo_cli.rollout import Rollouts, Sampling
-from grpo_cli.tools import TagFormat, calculator, load_tools
+from grpo_cli.tools import TagFormat, ToolFailed, calculator, load_tools
 from grpo_cli.tools.load import MAX_RESULT_CHARS, call_tool
 from grpo_cli.tools.trajectories import ToolCaps, ToolEngine, cut_at_stop, tool_metrics, with_tools
 
@@ -256,6 +256,40 @@ class NoTools:
     def reward(self):
         return 0.0
 
+    @staticmethod
+    def helper(argument):  # not a tool: no instance to hold state
+        return ""
+
+
+class Awkward(NoTools):
+    """Inherits reward() and helper (not tools); its one tool answers badly in every way a tool can."""
+
+    def __init__(self, answer):
+        self.answer = answer
+
+    def state(self):  # fails: reward() must survive it
+        raise RuntimeError("no state today")
+
+    def poke(self, argument):
+        if argument == "int":
+            return 10 ** 5000
+        if argument == "refuse":
+            raise ToolFailed("not today")
+        return {(0, 0): "X"}
+
+
+class Board:
+    def __init__(self):
+        self.cells = {(0, 0): "X", 1: {2, 3}}
+        self.big = 10 ** 30
+
+    def mark(self, argument):
+        return "ok"
+
+
+def needs_state(completions, environment_state, **kwargs):
+    return [0.0] * len(completions)
+
 
 def environment(cls, **spec):
     from grpo_cli.config import EnvironmentSpec
@@ -274,27 +308,58 @@ def environment(cls, **spec):
      "rollout.environment.tags: subtotals is not one of test_tools:Ledger's tools (subtotal, hang)"),
     (environment("Ledger"), "chat", "rollout.environment (hang): the chat format shows a tool to the model as a JSON "
      "schema"),
+    (environment("Ledger", tags={"subtotal": []}), "tags", "rollout.environment.tags.subtotal: give two strings"),
+    (environment("Ledger", tags={"subtotal": ["<s>", "</s>"]}), "chat", "rollout.environment.tags: set, but "
+     "rollout.tool_format=chat"),
+    (environment("Ledger", tags={"subtotal": ["<s>", "</calc>"]}), "tags", "rollout.environment.tags.subtotal: '</calc>' "
+     "must be non-blank and hold no other tool's close string"),
 ])
 def test_a_bad_environment_is_named_before_any_model_loads(spec, fmt, message):
     with pytest.raises(UsageError, match=re.escape(message)):
-        load_tools([], fmt, spec)
+        load_tools([ToolSpec(function="calculator", open="<calc>", close="</calc>")], fmt, spec)
+
+
+def test_only_the_classs_own_methods_are_tools_and_its_bad_answers_cost_only_the_call():
+    poke, = load_tools([], "tags", environment("Awkward", timeout_s=None))  # not helper, nor the inherited reward
+    env, row = poke.environment, {"answer": "1"}
+    key = env.new_key()
+    assert env.call(key, row, [], "poke", "int")[:2] == ("error: the tool ValueError: Exceeds the limit (4300 digits) "
+                                                         "for integer string conversion; use sys.set_int_max_str_digits() "
+                                                         "to increase the limit", False)
+    assert env.call(key, row, [], "poke", "refuse")[:2] == ("error: not today", False)
+    assert env.call(key, row, [], "poke", "dict")[:2] == ("error: the tool returned dict, not text", False)
+    end = env.end(key, row, [])
+    assert end.reward == 0.0 and end.state is None and "state() raised RuntimeError: no state today" in end.error
+    mark, = load_tools([], "tags", environment("Board", timeout_s=None))
+    board = mark.environment
+    key = board.new_key()
+    state = board.end(key, {}, []).state
+    assert state == {"cells": {"(0, 0)": "X", "1": [2, 3]}, "big": "<int of 100 bits>"}
+    json.dumps(state)  # completions.jsonl carries it
 
 
 def test_an_environments_columns_and_its_reward_are_checked_at_the_edge():
     from grpo_cli.config import RewardSpec
     from grpo_cli.rewards import load_rewards
-    from grpo_cli.setup import check_environment
+    from grpo_cli.setup import check_tool_run
 
     ledger = load_tools([], "tags", environment("Ledger", timeout_s=None))
     assert [t.name for t in ledger] == ["subtotal", "hang"] and ledger[0].open == "<subtotal>"
     env_reward = load_rewards([RewardSpec(name="environment")])
-    check_environment(ledger, env_reward, {"train": [{"answer": "1", "question": "q"}]})
+    check_tool_run(ledger, env_reward, {"train": [{"answer": "1", "question": "q"}]})
     with pytest.raises(UsageError, match=re.escape("Ledger is built from the column(s) answer, which held-out row 1 "
                                                    "lacks (columns present: question)")):
-        check_environment(ledger, env_reward, {"held-out": [{"answer": "1"}, {"question": "q"}]})
-    with pytest.raises(UsageError, match="rewards: 'environment' returns the environment's reward\\(\\), and "
-                                         "rollout.environment.cls names no environment"):
-        check_environment(load_tools([ToolSpec(function="calculator")]), env_reward, {"train": []})
+        check_tool_run(ledger, env_reward, {"held-out": [{"answer": "1"}, {"question": "q"}]})
+    with pytest.raises(UsageError, match=re.escape("data: a held-out column is named 'environment_state'")):
+        check_tool_run(ledger, env_reward, {"held-out": [{"answer": "1"}, {"answer": "2", "environment_state": 0}]})
+    with pytest.raises(UsageError, match=re.escape("rewards[0]: 'environment' needs environment_reward, which this "
+                                                   "run cannot give it (no rollout.environment.cls)")):
+        check_tool_run(load_tools([ToolSpec(function="calculator")]), env_reward, {"train": []})
+    custom = load_rewards([RewardSpec(name="test_tools:needs_state")])
+    with pytest.raises(UsageError, match=re.escape("rewards[0]: 'test_tools:needs_state' needs environment_state, "
+                                                   "which this run cannot give it (no tools)")):
+        check_tool_run([], custom, {"train": []})
+    check_tool_run(ledger, custom, {"train": []})
 
 
 def test_grpo_check_prints_the_environment_and_train_refuses_a_bad_one_before_loading(cli):
@@ -454,6 +519,26 @@ def test_the_turn_cap_holds_over_a_turn_written_in_several_calls(tokenizer):
                               CAPS._replace(max_trajectory_tokens=200))
     assert out.capped == [["turn_tokens"]] and out.model_tokens() == [48]  # one turn: 48 tokens, over two calls
     assert engine.requests[1][3] == 48 - len(tokenizer(" total</calc>", add_special_tokens=False)["input_ids"])
+
+
+def test_on_vllm_a_sample_that_never_calls_is_the_single_turn_sample(vllm_engine, bike_splits):
+    """The tool loop sends sample g of prompt p as its own request seeded seeds[p] + g, the seed vLLM gives it
+    inside an n = G request: with a tool the shipped model never calls, every trajectory is the plain sample."""
+    from grpo_cli.config import DataConfig
+    from grpo_cli.prompts import render_row
+
+    tokenizer = vllm_engine.tokenizer
+    prompts = [tokenizer(render_row(problem.to_row(), DataConfig(), tokenizer, None), add_special_tokens=False)
+               ["input_ids"] for problem in bike_splits[0][:3]]
+    sampling, seeds = Sampling(4, 1.0, 1.0, 96), [11, 12, 13]
+    plain = vllm_engine.generate(prompts, sampling, seeds)
+    tools = load_tools([ToolSpec(function="calculator", open="<calc>", close="</calc>", timeout_s=None)])
+    looped = with_tools(vllm_engine, tools, RolloutConfig(tools=[ToolSpec(function="calculator")],
+                                                          max_new_tokens=96)).generate(prompts, sampling, seeds)
+    assert tool_metrics(looped)["tools/calls_per_sample"] == 0
+    assert looped.completion_ids == plain.completion_ids and looped.truncated == plain.truncated
+    assert all(abs(a - b) < 1e-5 for group_a, group_b in zip(looped.sampling_logprobs, plain.sampling_logprobs)
+               for x, y in zip(group_a, group_b) for a, b in zip(x, y))
 
 
 def test_with_tools_leaves_an_engine_without_tools_alone(tokenizer):

@@ -63,9 +63,11 @@ class RewardWorker:
         self.name, self.fn, self.timeout_s = name, fn, timeout_s
         self.process: Any = None
         self.conn: Any = None
+        self.starts = 0  # worker processes started so far (a restart loses what the last one held)
 
     def _start(self) -> tuple[str, Any] | None:
         """Start the worker; None when it is ready, else the failure to report."""
+        self.starts += 1
         ctx = multiprocessing.get_context("spawn")  # fork would copy the trainer's threads and locks
         parent, child = ctx.Pipe()
         self.process = ctx.Process(target=_serve, args=(child, self.fn), daemon=True,
@@ -92,8 +94,9 @@ class RewardWorker:
             return tag, reason
         return None
 
-    def call(self, completions: list, kwargs: dict[str, Any]) -> tuple[str, Any]:
-        """("ok", values) | ("raised" | "type" | "timeout", reason), within timeout_s seconds of the call."""
+    def call(self, completions: list, kwargs: dict[str, Any], timeout_s: float | None = None) -> tuple[str, Any]:
+        """("ok", values) | ("raised" | "type" | "timeout", reason), within timeout_s seconds of the call (the
+        worker's own limit unless given)."""
         if self.process is None or not self.process.is_alive():
             if (failure := self._start()) is not None:
                 return failure
@@ -103,9 +106,10 @@ class RewardWorker:
         except Exception as e:  # e.g. a column value that cannot be pickled
             self.kill()
             return "raised", f"its inputs could not be sent to the worker: {one_line(e, 240)}"
-        if not self.conn.poll(self.timeout_s):
+        limit = timeout_s or self.timeout_s
+        if not self.conn.poll(limit):
             self.kill()
-            return "timeout", f"timed out after {self.timeout_s:g} s (worker killed)"
+            return "timeout", f"timed out after {limit:g} s (worker killed)"
         try:
             result = self.conn.recv()
         except (EOFError, OSError):

@@ -2,18 +2,21 @@
 
 A recipe names one with `rollout.environment.cls: package.module:Class`. Every sample of a step gets
 its own instance, built from its prompt's dataset row (`Class(**columns)`: the columns its `__init__`
-names, or all of them when it takes `**kwargs`), so the state of one trajectory (a game board, a
-shell's working directory, a ledger) never leaks into another. Its public methods are the tools (in
-the tag format one text argument each, called `<METHOD>...</METHOD>` unless `rollout.environment.tags`
-says otherwise; in the chat format typed arguments and an `Args:` docstring, as a function tool's).
-Two names are not tools: `reward(self) -> float`, when defined, scores the finished trajectory (the
-built-in reward `environment` returns it), and `state(self) -> dict`, when defined, is what the
-rewards receive as `environment_state` (by default the instance's public attributes).
+names, or all of them when it takes `**kwargs`), so one trajectory's instance state (a game board, a
+shell's working directory, a ledger) is never another's; class attributes and module globals are
+shared, as in any Python process. Its public methods defined in the class itself are the tools (in
+the tag format one text argument each, called `<METHOD>...</METHOD>` unless
+`rollout.environment.tags` says otherwise; in the chat format typed arguments and an `Args:`
+docstring, as a function tool's). Two names are not tools: `reward(self) -> float`, when defined,
+scores the finished trajectory (the built-in reward `environment` returns it), and
+`state(self) -> dict`, when defined, is what the rewards receive as `environment_state` (by default
+the instance's public attributes), as plain data.
 
 The instances live in the environment's worker process (the reward workers' machinery), keyed by
 trajectory, so a method that hangs is killed with its time limit like a function tool. Killing the
 worker loses every instance in it; each request therefore carries the trajectory's row and its
-earlier calls, and a worker that does not hold the instance rebuilds it by replaying them. So an
+earlier calls, and a worker that does not hold the instance rebuilds it by replaying them (within
+`timeout_s` per replayed call as well as the new one's). So an
 environment must be a function of its row and the calls made on it (which a resumed run needs anyway:
 the same trajectories must meet the same states).
 """
@@ -23,7 +26,6 @@ from __future__ import annotations
 import inspect
 import itertools
 import math
-import pickle
 import types
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -31,7 +33,7 @@ from typing import Any, NamedTuple
 from grpo_cli.errors import UsageError
 
 HOOKS = ("reward", "state")  # methods an environment may define that are not tools
-_LIVE: dict[int, Any] = {}  # in the process that runs the environment: trajectory key -> its instance
+_LIVE: dict[tuple[int, int], Any] = {}  # in the process that runs the environment: trajectory key -> its instance
 _CLASSES: dict[str, type] = {}  # in that process: "module:Class" -> the class, imported once
 
 
@@ -41,6 +43,9 @@ class EnvironmentEnd(NamedTuple):
     state: dict[str, Any] | None  # `state()`, or the public attributes; None when the environment failed
     reward: float | None  # `reward()`; None when it has none or it failed
     error: str | None  # why the environment failed (it raised, timed out or could not be rebuilt), or None
+
+
+_ENVIRONMENT_IDS = itertools.count()  # tells apart the environments loaded in one process (their keys share _LIVE)
 
 
 @dataclass
@@ -54,41 +59,57 @@ class LoadedEnvironment:
     timeout_s: float | None  # per request, in the worker; None = in the trainer's process, no limit
     worker: Any = field(default=None, compare=False, repr=False)  # a RewardWorker when timeout_s is set
     keys: Any = field(default_factory=itertools.count, compare=False, repr=False)  # a fresh key per trajectory
+    served: dict = field(default_factory=dict, compare=False, repr=False)  # key -> the worker start that holds it
+    uid: int = field(default_factory=lambda: next(_ENVIRONMENT_IDS), compare=False)
 
-    def new_key(self) -> int:
-        return next(self.keys)
+    def new_key(self) -> tuple[int, int]:
+        return self.uid, next(self.keys)
 
-    def _request(self, key: int, row: dict[str, Any], history: list, method: str, argument: Any) -> tuple[str, Any]:
+    def _request(self, key: tuple[int, int], row: dict[str, Any], history: list, method: str,
+                 argument: Any) -> tuple[str, Any]:
         from grpo_cli.rewards.worker import call_in_process
 
         columns = row if self.columns is None else {c: row[c] for c in self.columns if c in row}
         request = [(key, self.name, columns, history, method, argument)]
-        if self.worker is not None:
-            return self.worker.call(request, {})
-        return call_in_process(serve_request, request, {})
+        if self.worker is None:
+            return call_in_process(serve_request, request, {})
+        alive = self.worker.process is not None and self.worker.process.is_alive()
+        rebuild = bool(history) and not (alive and self.served.get(key) == self.worker.starts)
+        # a worker that lost the instance replays its calls first, each within its own limit
+        result = self.worker.call(request, {}, self.timeout_s * (1 + len(history)) if rebuild else None)
+        self.served[key] = self.worker.starts
+        return result
 
-    def call(self, key: int, row: dict[str, Any], history: list, method: str, argument: Any) -> tuple[str, bool, str]:
-        """One tool call on trajectory `key`'s instance: (result text, ok, "replay"|"lost"|"done"). "replay":
-        it ran, so a rebuilt instance must see it again (append it to the history); "lost": the worker was
-        killed (the call overran), the call is not replayed."""
+    def call(self, key: tuple[int, int], row: dict[str, Any], history: list, method: str,
+             argument: Any) -> tuple[str, bool, str]:
+        """One tool call on trajectory `key`'s instance: (result text, ok, "replay" | "lost"). "replay": it ran,
+        so a rebuilt instance must see it again (append it to the history); "lost": the worker was killed (the
+        call overran), and the call is not replayed."""
         tag, out = self._request(key, row, history, method, argument)
         if tag == "ok":
             value = out[0]
-            if isinstance(value, int | float) and not isinstance(value, bool):
-                value = str(value)
             if not isinstance(value, str):
                 return f"error: the tool returned {type(value).__name__}, not text", False, "replay"
             return value, True, "replay"
         reason = out.removeprefix("raised ")
         lost = self.worker is not None and self.worker.process is None  # killed: its instances are gone
+        if reason.startswith("ToolFailed: "):  # the tool's own account of what stopped it
+            return f"error: {reason.removeprefix('ToolFailed: ')}"[:240], False, "lost" if lost else "replay"
         return f"error: the tool {reason}"[:240], False, "lost" if lost else "replay"
 
-    def end(self, key: int, row: dict[str, Any], history: list) -> EnvironmentEnd:
+    def end(self, key: tuple[int, int], row: dict[str, Any], history: list) -> EnvironmentEnd:
         """The finished trajectory's state and reward; its instance is dropped."""
         tag, out = self._request(key, row, history, "", None)
+        self.served.pop(key, None)
         if tag != "ok":
             return EnvironmentEnd(None, None, f"the environment {out.removeprefix('raised ')}"[:240])
         return out[0]
+
+    def forget(self, keys: list[tuple[int, int]]) -> None:
+        """Drop instances without ending them (a generate that failed half-way); in a worker they go with it."""
+        for key in keys:
+            _LIVE.pop(key, None)
+            self.served.pop(key, None)
 
     def close(self) -> None:
         if self.worker is not None:
@@ -121,30 +142,49 @@ def serve_request(requests: list, **_: Any) -> list:
 
 def _invoke(env: Any, method: str, argument: Any) -> Any:
     fn = getattr(env, method)
-    return fn(argument) if isinstance(argument, str) else fn(**argument)
+    value = fn(argument) if isinstance(argument, str) else fn(**argument)
+    # numbers become text here, where a failure (a 5,000-digit int) is the call's own, not the trainer's
+    return str(value) if isinstance(value, int | float) and not isinstance(value, bool) else value
 
 
 def _finish(env: Any) -> EnvironmentEnd:
+    """The instance's state (as plain data) and reward; a failure of either is the environment's, and one does
+    not cost the other."""
     from grpo_cli.errors import one_line
 
+    errors = []
     try:
         state = env.state() if callable(getattr(env, "state", None)) else \
             {k: v for k, v in vars(env).items() if not k.startswith("_")}
-        state = {k: v for k, v in dict(state).items() if _picklable(v)}  # it travels back to the trainer
-        reward = float(env.reward()) if callable(getattr(env, "reward", None)) else None
-    except Exception as e:  # noqa: BLE001 - the environment's own failure, counted for its trajectory
-        return EnvironmentEnd(None, None, f"the environment raised {one_line(e, 200)}")
-    if reward is not None and not math.isfinite(reward):
-        return EnvironmentEnd(state, None, f"the environment's reward() is {reward}")
-    return EnvironmentEnd(state, reward, None)
+        state = plain(dict(state))
+    except Exception as e:  # noqa: BLE001 - e.g. vars() of a class with __slots__
+        state, _ = None, errors.append(f"state() raised {one_line(e, 160)}")
+    reward = None
+    if callable(getattr(env, "reward", None)):
+        try:
+            reward = float(env.reward())
+            if not math.isfinite(reward):
+                reward, _ = None, errors.append(f"reward() is {reward}")
+        except Exception as e:  # noqa: BLE001
+            errors.append(f"reward() raised {one_line(e, 160)}")
+    return EnvironmentEnd(state, reward, f"the environment's {'; '.join(errors)}" if errors else None)
 
 
-def _picklable(value: Any) -> bool:
-    try:
-        pickle.dumps(value)
-    except Exception:  # noqa: BLE001
-        return False
-    return True
+def plain(value: Any, depth: int = 0) -> Any:
+    """`value` as data JSON and pickle carry (the state travels back to the trainer and into completions.jsonl):
+    text keys, lists for tuples and sets, numbers of at most 64 bits; anything else as its repr, cut."""
+    if depth > 8:
+        return "..."
+    if value is None or isinstance(value, bool | str | float):
+        return value
+    if isinstance(value, int):
+        return value if value.bit_length() <= 64 else f"<int of {value.bit_length()} bits>"
+    if isinstance(value, dict):
+        return {str(k) if isinstance(k, str | int | float | bool) else repr(k)[:80]: plain(v, depth + 1)
+                for k, v in value.items()}
+    if isinstance(value, list | tuple | set | frozenset):
+        return [plain(v, depth + 1) for v in value]
+    return repr(value)[:200]
 
 
 def load_environment(spec: Any, tool_format: str) -> tuple[LoadedEnvironment | None, list[tuple[str, Any, str, str]]]:
@@ -174,19 +214,23 @@ def load_environment(spec: Any, tool_format: str) -> tuple[LoadedEnvironment | N
     takes_all = any(p.kind is P.VAR_KEYWORD for p in params)
     columns = None if takes_all else tuple(p.name for p in params if p.kind is not P.VAR_KEYWORD)
     required = tuple(p.name for p in params if p.default is P.empty and p.kind is not P.VAR_KEYWORD)
-    methods = [name for name, fn in inspect.getmembers(cls, inspect.isfunction)
-               if not name.startswith("_") and name not in HOOKS]
-    methods.sort(key=lambda name: getattr(cls, name).__code__.co_firstlineno)
+    # its own plain methods, in definition order: not inherited ones (a base class's reset, step, close), nor
+    # static or class methods (no instance to hold the state)
+    methods = [name for name, fn in vars(cls).items()
+               if inspect.isfunction(fn) and not name.startswith("_") and name not in HOOKS]
     if not methods:
         raise UsageError(f"{where}: {spec.cls} has no public method, so the model would have no tool; its methods "
                          f"(other than {', '.join(HOOKS)}) are the tools")
+    if spec.tags and tool_format != "tags":
+        raise UsageError(f"rollout.environment.tags: set, but rollout.tool_format={tool_format} calls tools in the "
+                         "chat template's syntax; drop the tags")
     if unknown := sorted(set(spec.tags) - set(methods)):
         raise UsageError(f"rollout.environment.tags: {', '.join(unknown)} is not one of {spec.cls}'s tools "
                          f"({', '.join(methods)})")
     tools = []
     for name in methods:
-        tags = spec.tags.get(name) or [f"<{name}>", f"</{name}>"]
-        if len(tags) != 2:
+        tags = spec.tags[name] if name in spec.tags else [f"<{name}>", f"</{name}>"]
+        if len(tags) != 2 or not all(isinstance(tag, str) for tag in tags):
             raise UsageError(f"rollout.environment.tags.{name}: give two strings, the open and the close tag")
         stand_in = types.MethodType(getattr(cls, name), cls)  # the method's signature without self
         tools.append((name, stand_in, tags[0], tags[1]))

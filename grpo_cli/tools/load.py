@@ -102,7 +102,8 @@ def load_tools(specs: list, tool_format: str = "tags", environment: Any = None) 
             _check_signature(fn, f"{where}.function" if env is None else where)
         short = name.rpartition(":")[2]
         if not close.strip() or any(close in other or other in close for other in seen):
-            raise UsageError(f"{where}.close: '{close}' must be non-blank and hold no other tool's close string, nor "
+            key = f"{where}.close" if env is None else f"rollout.environment.tags.{name}"
+            raise UsageError(f"{key}: '{close}' must be non-blank and hold no other tool's close string, nor "
                              "be held in one (the engine stops at the first it meets)")
         seen.add(close)
         called = schema["function"]["name"] if schema is not None else name  # chat calls a tool by its function's name

@@ -2,19 +2,22 @@
 
 `ToolEngine` wraps a rollout engine (vLLM or transformers) and has its interface, so the training
 step, held-out evaluation and `grpo eval` run the same loop. Its `generate` advances every sample of
-the call together:
+the call together, with no barrier per turn on vLLM:
 
-    engine call 0: the P prompts, n = G, the prompts' own seeds, stopping at any tool's close string
-    then, while some trajectory is open: run the tools of the samples that called one, append each
-    reply (tokenized once), and give every open trajectory (prompt + its ids so far) to ONE engine
-    call with n = 1 and a seed per (prompt seed, sample, call)
+    every sample is a request (n = 1; sample g of prompt p seeded seeds[p] + g, as inside an n = G
+    request), stopping at any tool's close string; as each request stops, its tool runs, the reply is
+    tokenized once and appended, and the continuation (prompt + its ids so far, seeded per (prompt
+    seed, sample, request number)) joins the running batch (VLLMEngine.generate_each)
+
+The transformers engine runs the same turns in lockstep (every open trajectory in one call per turn).
 
 Token in, token out: the model's sampled ids are kept as sampled and never re-tokenized; the
 environment's reply is tokenized once and appended; the next call continues from those exact ids.
 A trajectory is one token sequence after the prompt, with `model_mask` 1 on the model's tokens and
 0 on the environment's, and the engine's sampling logprob of each model token (0 on the
-environment's). Sampling is a pure function of (seed, step, prompt, sample, call), so a resumed run
-samples the same trajectories, and a sample that never calls a tool is the single-turn sample.
+environment's). Sampling is a pure function of (seed, step, prompt, sample, request number), so a
+resumed run samples the same trajectories, and a sample that never calls a tool is the single-turn
+sample.
 
 Caps (rollout.*): `max_new_tokens` per model turn, `max_turns` model turns, `max_tool_calls` calls,
 `max_tool_result_tokens` per result, `max_trajectory_tokens` for the whole sequence after the prompt.
@@ -57,10 +60,11 @@ class Trajectory:
     turn_tokens: int = 0  # the model's tokens since the environment last spoke (rollout.max_new_tokens caps them)
     turns: int = 1  # model turns begun
     calls: int = 0  # tool calls made
+    engine_calls: int = 0  # engine requests made for it (the next one's seed is call_seed(..., engine_calls))
     done: bool = False
     capped: str | None = None  # the cap that stopped it: "turn_tokens" | "trajectory_tokens" | "turns" | "tool_calls"
     row: dict[str, Any] | None = None  # with an environment: the prompt's dataset row, which builds its instance
-    env_key: int = -1  # with an environment: its instance's key in the environment's process
+    env_key: tuple[int, int] = (-1, -1)  # with an environment: its instance's key in the environment's process
     env_calls: list[tuple[str, Any]] = field(default_factory=list)  # the calls an instance rebuilt must replay
 
     def add_model(self, ids: list[int], logprobs: list[float], text: str) -> None:
@@ -130,24 +134,63 @@ class ToolEngine(WrappedEngine):
                     t.row, t.env_key = row, env.new_key()  # a fresh instance per sample
         turn = sampling._replace(stop=tuple(stops),
                                  max_new_tokens=min(sampling.max_new_tokens, caps.max_trajectory_tokens))
-        first = self.engine.generate(prompt_ids, turn, seeds)  # [P][G]: the single-turn samples, up to a stop
-        for p, group in enumerate(trajectories):
-            for g, trajectory in enumerate(group):
-                self._absorb(trajectory, first.completion_ids[p][g], first.sampling_logprobs[p][g],
-                             first.truncated[p][g], sampling.max_new_tokens)
-        call = 1
-        while open_ := [(p, g) for p, group in enumerate(trajectories) for g, t in enumerate(group) if not t.done]:
-            budget = max(self._room(trajectories[p][g], sampling.max_new_tokens) for p, g in open_)
-            out = self.engine.generate(
-                [prompt_ids[p] + trajectories[p][g].ids for p, g in open_],
-                turn._replace(n=1, max_new_tokens=min(sampling.max_new_tokens, budget)),
-                [call_seed(seeds[p], g, call) for p, g in open_])  # [R][1]
-            for r, (p, g) in enumerate(open_):
-                self._absorb(trajectories[p][g], out.completion_ids[r][0], out.sampling_logprobs[r][0],
-                             out.truncated[r][0], sampling.max_new_tokens)
-            call += 1
+        try:
+            if hasattr(self.engine, "generate_each"):
+                self._generate_each(prompt_ids, trajectories, turn, seeds)  # vLLM: a trajectory never waits for others
+            else:
+                self._generate_in_lockstep(prompt_ids, trajectories, turn, seeds)
+        except BaseException:
+            if env is not None:  # no instance may outlive its trajectory
+                env.forget([t.env_key for group in trajectories for t in group])
+            raise
         ends = [[env.end(t.env_key, t.row, t.env_calls) for t in group] for group in trajectories] if env else []
         return self._rollouts(prompt_ids, trajectories, ends)
+
+    def _generate_each(self, prompt_ids: list[list[int]], trajectories: list[list[Trajectory]], turn: Sampling,
+                       seeds: list[int]) -> None:
+        """Every turn of every trajectory in one engine loop (VLLMEngine.generate_each): a trajectory whose turn
+        ends is absorbed (its tool run, its reply appended) and continued at once, while the others decode
+        on. Sample g of prompt p starts from seed seeds[p] + g, the seed vLLM gives it inside an n = G request,
+        so a sample that never calls a tool is the single-turn sample."""
+        from grpo_cli.rollout import Completion, Request
+
+        cap = turn.max_new_tokens
+
+        def request(p: int, g: int) -> Request:
+            t = trajectories[p][g]
+            seed = seeds[p] + g if t.engine_calls == 0 else call_seed(seeds[p], g, t.engine_calls)
+            t.engine_calls += 1
+            return Request((p, g), prompt_ids[p] + t.ids, turn._replace(n=1, max_new_tokens=self._room(t, cap)), seed)
+
+        def on_finish(key: tuple[int, int], out: Completion) -> Request | None:
+            t = trajectories[key[0]][key[1]]
+            self._absorb(t, out.ids, out.logprobs, out.truncated, cap)
+            return None if t.done else request(*key)
+
+        self.engine.generate_each([request(p, g) for p, group in enumerate(trajectories) for g in range(len(group))],
+                                  on_finish)
+
+    def _generate_in_lockstep(self, prompt_ids: list[list[int]], trajectories: list[list[Trajectory]],
+                              turn: Sampling, seeds: list[int]) -> None:
+        """For an engine without generate_each (transformers): the P prompts with n = G and their own seeds,
+        then every open trajectory in one engine call with n = 1, until none is open."""
+        cap = turn.max_new_tokens
+        first = self.engine.generate(prompt_ids, turn, seeds)  # [P][G]: the single-turn samples, up to a stop
+        for p, group in enumerate(trajectories):
+            for g, t in enumerate(group):
+                t.engine_calls = 1
+                self._absorb(t, first.completion_ids[p][g], first.sampling_logprobs[p][g], first.truncated[p][g], cap)
+        open_ = [(p, g) for p, group in enumerate(trajectories) for g, t in enumerate(group) if not t.done]
+        while open_:
+            budget = max(self._room(trajectories[p][g], cap) for p, g in open_)
+            out = self.engine.generate(
+                [prompt_ids[p] + trajectories[p][g].ids for p, g in open_], turn._replace(n=1, max_new_tokens=budget),
+                [call_seed(seeds[p], g, trajectories[p][g].engine_calls) for p, g in open_])  # [R][1]
+            for r, (p, g) in enumerate(open_):
+                trajectories[p][g].engine_calls += 1
+                self._absorb(trajectories[p][g], out.completion_ids[r][0], out.sampling_logprobs[r][0],
+                             out.truncated[r][0], cap)
+            open_ = [(p, g) for p, g in open_ if not trajectories[p][g].done]
 
     def _room(self, t: Trajectory, turn_cap: int) -> int:
         """The tokens the model may still write in this turn: its turn's cap and the trajectory's."""

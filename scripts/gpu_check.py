@@ -11,8 +11,10 @@ Needs only torch and transformers (no vLLM, hydra, wandb, datasets or network): 
   fp32, same weights and batch;
 - the update: each prompt once (`prompt_states`), the completions' chunked logprobs per
   micro-batch, GRPO's loss, backward, AdamW, bf16 autocast: tokens/s, model FLOP utilisation
-  (6 x parameters x tokens / time / peak), peak memory;
-- the weight gather a push makes: every state-dict tensor copied out, one at a time;
+  (6 x parameters x the tokens the model runs, each prompt once / time / the GPU's dense bf16 peak),
+  peak memory;
+- the weight gather a push makes: every state-dict tensor read and copied into a bf16 engine-side
+  tensor, one at a time;
 - the same update and gather at world size 1 with FSDP2 (`fully_shard` per decoder layer and on
   the model, bf16 parameters, fp32 gradient reduction), whole sequences per micro-batch.
 
@@ -37,7 +39,17 @@ QWEN_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_
                 num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=True)
 TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
             num_key_value_heads=1, max_position_embeddings=256, tie_word_embeddings=True)
-PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}  # dense bf16, from the vendors' data sheets
+# Dense bf16 peak per GPU from the vendors' data sheets, matched against torch.cuda.get_device_name() in this order:
+# the PCIe and NVL parts run at lower clocks and power than the SXM ones the bare names report.
+PEAK_BF16_FLOPS = (
+    (("H100", "PCIe"), 756e12), (("H100", "NVL"), 835e12), (("H200", "NVL"), 835e12),
+    (("H100",), 989e12), (("H200",), 989e12), (("A100",), 312e12),
+)
+
+
+def peak_flops(device_name: str) -> float | None:
+    """The dense bf16 peak of the GPU named `device_name`; None when the table does not know it."""
+    return next((peak for parts, peak in PEAK_BF16_FLOPS if all(p in device_name for p in parts)), None)
 
 
 def workload(full: bool) -> dict[str, int]:
@@ -165,6 +177,15 @@ def fsdp_step(model: Any, optimizer: Any, batch: dict[str, Any], w: dict[str, in
     return total
 
 
+def computed_tokens(step: Any, batch: dict[str, Any], w: dict[str, int]) -> int:
+    """The tokens `step` runs through the model: the completions' own, and each prompt once (the trainer's
+    update, `prompt_states`) or once per sample (FSDP2's whole sequences). Model FLOPs are 6 x parameters x
+    these, so counting a prompt G times where the update runs it once would inflate the MFU."""
+    completion = int(batch["completion_mask"].sum())
+    prompt_runs = w["G"] if step is fsdp_step else 1
+    return completion + batch["prompt_ids"].numel() * prompt_runs
+
+
 def timed_updates(step: Any, model: Any, batch: dict[str, Any], w: dict[str, int], device: Any,
                   params: int) -> dict[str, float]:
     import torch
@@ -181,27 +202,39 @@ def timed_updates(step: Any, model: Any, batch: dict[str, Any], w: dict[str, int
         sync(device)
         times.append(time.perf_counter() - tick)
     seconds = sorted(times)[len(times) // 2]
-    tokens = int(batch["completion_mask"].sum()) + batch["prompt_ids"].numel() * w["G"]  # whole samples
-    out = {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds,
-           "model_tflops_per_s": 6 * params * tokens / seconds / 1e12}
+    tokens = int(batch["completion_mask"].sum()) + batch["prompt_ids"].numel() * w["G"]  # whole samples trained on
+    computed = computed_tokens(step, batch, w)
+    out = {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds, "computed_tokens": computed,
+           "model_tflops_per_s": 6 * params * computed / seconds / 1e12}
     if device.type == "cuda":
         out["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
-        name = torch.cuda.get_device_name()
-        peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
-        out["mfu"] = 6 * params * tokens / seconds / peak if peak else None
+        peak = peak_flops(torch.cuda.get_device_name())
+        out["mfu"] = 6 * params * computed / seconds / peak if peak else None
     return out
 
 
 def timed_gather(model: Any, device: Any) -> dict[str, float]:
-    """What a weight push reads: every state-dict tensor, full (DTensors gathered), one at a time."""
+    """What a weight push does: every state-dict tensor, full (DTensors gathered), one at a time, copied into
+    an engine-side tensor of the engine's dtype (bf16) allocated beforehand, as vLLM's reload copies into its
+    own parameters. (Reading a tensor that is already contiguous copies nothing, so it would time nothing.)"""
+    import torch
+
+    engine = {name: torch.empty(tuple(t.shape), dtype=torch.bfloat16, device=device)
+              for name, t in model.state_dict().items()}
+    sync(device)
     tick = time.perf_counter()
     total = 0
-    for _, tensor in model.state_dict().items():
+    for name, tensor in model.state_dict().items():
         full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-        total += full.detach().contiguous().numel() * full.element_size()
+        engine[name].copy_(full.detach())  # the cast and the copy a push makes
+        total += full.numel() * full.element_size()
         del full
     sync(device)
     seconds = time.perf_counter() - tick
+    checked = next(iter(engine))  # the copy happened: the engine's tensor holds the trainer's values
+    source = model.state_dict()[checked]
+    source = source.full_tensor() if hasattr(source, "full_tensor") else source
+    assert torch.equal(engine[checked], source.detach().to(torch.bfloat16)), "the gather copied nothing"
     return {"seconds": seconds, "gib": total / 2**30, "gib_per_s": total / 2**30 / max(seconds, 1e-9)}
 
 
@@ -263,7 +296,8 @@ def summary(r: dict[str, Any]) -> list[str]:
     def upd(u: dict[str, Any]) -> str:
         mfu = f", MFU {u['mfu']:.1%}" if u.get("mfu") else ""
         mem = f", peak {u['peak_memory_gib']:.1f} GiB" if "peak_memory_gib" in u else ""
-        return (f"{u['tokens_per_s']:,.0f} tokens/s ({u['tokens']} tokens in {u['seconds']:.3f} s, "
+        return (f"{u['tokens_per_s']:,.0f} tokens/s ({u['tokens']} sample tokens in {u['seconds']:.3f} s; "
+                f"{u['computed_tokens']} through the model, "
                 f"{u['model_tflops_per_s']:.1f} model TFLOP/s{mfu}{mem})")
 
     f = r["fsdp2_world_1"]
@@ -272,7 +306,7 @@ def summary(r: dict[str, Any]) -> list[str]:
         f"  bf16 autocast vs fp32 logprobs: max |diff| {r['bf16']['logprob_max_abs_diff']:.3g}, "
         f"mean {r['bf16']['logprob_mean_abs_diff']:.3g} ({r['bf16']['logprob_dtype']})",
         f"  update (prompt once, bf16 autocast, fp32 master + AdamW): {upd(r['update'])}",
-        f"  weight gather: {r['gather']['gib']:.2f} GiB in {r['gather']['seconds']:.3f} s",
+        f"  weight gather (copied into bf16): {r['gather']['gib']:.2f} GiB in {r['gather']['seconds']:.3f} s",
         f"  FSDP2 world 1 update (whole sequences, bf16 params, fp32 reduce): {upd(f['update'])}",
         f"  FSDP2 world 1 gather (full_tensor per tensor): {f['gather']['gib']:.2f} GiB in {f['gather']['seconds']:.3f} s",
     ]

@@ -145,6 +145,22 @@ def test_gpu_check_skips_without_cuda_and_its_code_runs_on_a_tiny_cpu_model(tmp_
     assert 0 < report["bf16"]["logprob_mean_abs_diff"] < 0.05  # bf16 moves logprobs, a little
     assert report["update"]["tokens_per_s"] > 0 and report["fsdp2_world_1"]["update"]["tokens_per_s"] > 0
     assert report["gather"]["gib"] == pytest.approx(report["fsdp2_world_1"]["gather"]["gib"])  # same full tensors
+    w, tokens = report["workload"], report["update"]["tokens"]
+    prompt_tokens = w["P"] * w["prompt_len"]
+    completion_tokens = tokens - prompt_tokens * w["G"]  # `tokens`: whole samples, each with its prompt
+    assert report["update"]["computed_tokens"] == completion_tokens + prompt_tokens  # the update runs a prompt once
+    assert report["fsdp2_world_1"]["update"]["computed_tokens"] == tokens  # whole sequences: once per sample
+
+
+def test_gpu_check_knows_each_hopper_parts_peak():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", str(REPO / "scripts" / "gpu_check.py"))
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    names = {"NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H100 PCIe": 756e12, "NVIDIA H100 NVL": 835e12,
+             "NVIDIA H200": 989e12, "NVIDIA H200 NVL": 835e12, "NVIDIA A100-SXM4-80GB": 312e12, "NVIDIA L4": None}
+    assert {name: gpu_check.peak_flops(name) for name in names} == names
 
 
 @pytest.mark.gpu

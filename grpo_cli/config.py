@@ -108,7 +108,7 @@ class RolloutConfig:
     max_new_tokens: int = 64  # completion length cap, in tokens; longer answers are truncated and counted
     kv_cache_gib: float = 1.0  # vLLM KV-cache size in GiB of host RAM (CPU) or device memory (GPU)
     gpu_memory_utilization: float = 0.5  # vLLM's fraction of GPU memory (GPU only; on CPU kv_cache_gib is used)
-    push_check_every: int = 10  # every N steps compare vLLM logprobs with the trainer's after a weight push; 0 = never
+    push_check_every: int = 10  # every N steps compare vLLM logprobs (and, at the first step too, a few tensors exactly) with the trainer's after a push; 0 = never
     push_check_tol: float = 1e-3  # max mean |logprob difference| before the run stops with a stale-weights error (>= 0.02 in bf16/fp16)
     sleep_mode: str = "auto"  # vLLM sleep mode: "auto" (on when vLLM shares a CUDA device with the trainer) | "on" | "off"
     sleep_level: int = 1  # 1: vLLM's weights go to host memory and its KV cache is dropped while the trainer steps; 2: both dropped

@@ -321,6 +321,18 @@ class VLLMEngine:
                     pending.append(follow)
             add_pending()
 
+    def read_weights(self, names: Iterable[str]) -> dict[str, Any]:
+        """Copies of the engine's own parameters named `names` (checkpoint names), those it holds as loaded:
+        the CPU backend repacks linear weights (they read as empty) and tensor parallelism splits some
+        (this rank's shard). For the push check's exact comparison (sync.exact_push_check)."""
+        wanted = list(names)
+
+        def read(worker: Any) -> dict[str, Any]:
+            params = dict(worker.model_runner.model.named_parameters())
+            return {n: params[n].detach().to("cpu", copy=True) for n in wanted if n in params and params[n].numel()}
+
+        return self.llm.collective_rpc(read)[0]
+
     def push_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
         """Load the trainer's current weights into the engine, in place, then drop stale KV blocks.
 

@@ -83,6 +83,39 @@ def push_check(engine: Engine, policy: torch.nn.Module, sequences: list[list[int
     return worst
 
 
+# Pushed tensors compared element for element (sync.exact_push_check): the embedding and two norms, which every
+# backend keeps as loaded (vLLM's CPU backend repacks the linear layers), and which every update moves.
+EXACT_TENSORS = ("model.embed_tokens.weight", "model.norm.weight", "model.layers.0.input_layernorm.weight")
+
+
+def mismatched_elements(engine_tensor: torch.Tensor, trainer_tensor: torch.Tensor) -> int:
+    """Elements where the engine's tensor differs from the trainer's cast to the engine's dtype, as a push
+    casts it: 0 after a push, at any dtype. A bf16 engine that missed a small step differs on the few percent
+    of its values that the step moved past a rounding boundary, which a logprob tolerance cannot see."""
+    return int((engine_tensor != trainer_tensor.detach().to("cpu", engine_tensor.dtype)).sum())
+
+
+def exact_push_check(engine: Engine, policy: torch.nn.Module) -> tuple[int, int] | None:
+    """(elements that differ, elements compared) over EXACT_TENSORS between this rank's engine and the policy;
+    None when the engine cannot show its tensors (the transformers engine shares the policy's). Under tensor
+    parallelism a tensor the rank holds a shard of is compared when the shard is the whole tensor."""
+    from grpo_cli.dist.shard import full_tensors
+
+    inner = engine
+    while not hasattr(inner, "read_weights") and hasattr(inner, "engine"):  # a ShardedEngine, a ToolEngine
+        inner = inner.engine
+    if not hasattr(inner, "read_weights"):
+        return None
+    engine_tensors = inner.read_weights(EXACT_TENSORS)
+    differ = compared = 0
+    for name, tensor in full_tensors(policy, EXACT_TENSORS):  # every rank gathers the same ones, in one order
+        mine = engine_tensors.get(name)
+        if mine is not None and mine.shape == tensor.shape:
+            differ += mismatched_elements(mine, tensor)
+            compared += tensor.numel()
+    return (differ, compared) if compared else None
+
+
 def stale_weights_error(worst: float, tol: float, where: str = "") -> Exception:
     from grpo_cli.errors import RunFailure
 
@@ -92,16 +125,37 @@ def stale_weights_error(worst: float, tol: float, where: str = "") -> Exception:
 
 def maybe_push_check(state: RunState, batch: TrainBatch, step: int, cfg: RolloutConfig,
                      dtype: str) -> dict[str, float]:
-    """The push check on the step's first sequences when it is due: {"push_check/max_abs_diff": ...} or {}."""
-    if not (cfg.push_check_every and step % cfg.push_check_every == 0 and batch.micro_batches):
+    """The push checks when due: the exact one at the first step this process runs (a new run's, or a resume's)
+    and every rollout.push_check_every steps, the logprob one on the step's first sequences every
+    push_check_every steps. {"push_check/tensors_mismatched": ..., "push_check/max_abs_diff": ...} or {}."""
+    if not cfg.push_check_every:
         return {}
+    due = step % cfg.push_check_every == 0 and batch.micro_batches
+    if not (due or step == state.start.step + 1):
+        return {}
+    dist = state.dist
+    exact = exact_push_check(state.engine, state.policy)
+    out: dict[str, float] = {}
+    if exact is not None:
+        per_rank = dist.gather(exact)
+        worst = max(range(len(per_rank)), key=lambda r: per_rank[r][0])
+        differ, compared = per_rank[worst]
+        if differ:
+            where = f" of rank {worst}" if dist.world_size > 1 else ""
+            from grpo_cli.errors import RunFailure
+
+            raise RunFailure(f"the rollout engine{where} holds stale weights: {differ} of {compared} elements of "
+                             f"{', '.join(EXACT_TENSORS)} differ from the trainer's after a weight push (cast to the "
+                             "engine's dtype they must be equal)")
+        out["push_check/tensors_mismatched"] = float(differ)
+    if not due:
+        return out
     rows = range(min(PROBE_SEQUENCES, len(batch.completions)))
     prompts = [batch.prompt_tokens[batch.prompt_index[j]] for j in rows]
-    dist = state.dist
     worst = push_check(state.engine, state.policy, [ids + batch.completions[j] for j, ids in zip(rows, prompts)],
                        [len(ids) for ids in prompts], dist.device, lambda: dist.autocast(dtype))
     per_rank = dist.gather(worst)  # every rank checked its own engine; all stop together, naming the worst
     stale = max(range(len(per_rank)), key=per_rank.__getitem__)
     if per_rank[stale] > cfg.push_check_tol:
         raise stale_weights_error(per_rank[stale], cfg.push_check_tol, f" of rank {stale}" if dist.world_size > 1 else "")
-    return {"push_check/max_abs_diff": per_rank[stale]}
+    return {**out, "push_check/max_abs_diff": per_rank[stale]}

@@ -83,6 +83,7 @@ def test_train_end_to_end_with_vllm(trained_run, shipped):
     for m in metrics[1:]:
         assert 0.0 <= m["reward/mean"] <= 1.1
         assert m["push_check/max_abs_diff"] < 1e-3  # vLLM's logprobs match the trainer's after every push
+        assert m["push_check/tensors_mismatched"] == 0  # and its embedding and norms equal the trainer's
         assert m["mismatch/mean_abs_logprob"] < 1e-3  # and so did the sampling logprobs, before the update
         assert m["kl"] >= 0.0 and m["grad_norm"] > 0.0
         assert m["groups/all_correct_frac"] + m["groups/all_wrong_frac"] <= 1.0
@@ -169,3 +170,38 @@ def test_sampling_logprobs_are_of_the_distribution_sampled_from_at_any_temperatu
         "An e-bike costs 18 per day for 4 days with a 10% discount. What is the total price?")]
     at_one, at_cool = (sampling_mismatch(engine, policy, prompts, t) for t in (1.0, 0.7))
     assert at_one < 1e-3 and at_cool < max(2 * at_one, 1e-4), (at_one, at_cool)
+
+
+def test_the_exact_push_check_sees_a_skipped_push_that_the_logprob_check_misses(vllm_engine, shipped_weights):
+    """One small AdamW step (lr 1e-6) that never reaches the engine: invisible to the logprob check within its
+    tolerance, caught element for element, at fp32 on the real engine and at bf16 through vLLM's own weight
+    loader (a bf16 engine holds what that loader copies in)."""
+    import torch
+    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+    from grpo_cli.checkpoint import load_policy, resolve_model_path
+    from grpo_cli.sync import EXACT_TENSORS, exact_push_check, mismatched_elements, push_check
+
+    policy = load_policy(resolve_model_path("builtin:bike_base"), "float32")
+    vllm_engine.push_weights(policy.state_dict().items())
+    differ, compared = exact_push_check(vllm_engine, policy)
+    assert differ == 0 and compared == sum(policy.state_dict()[n].numel() for n in EXACT_TENSORS)
+    bf16_engine = {}
+    for name in EXACT_TENSORS:  # what a bf16 engine's load leaves in its parameters after the push
+        bf16_engine[name] = torch.empty(policy.state_dict()[name].shape, dtype=torch.bfloat16)
+        default_weight_loader(bf16_engine[name], policy.state_dict()[name])
+
+    ids = torch.randint(0, 500, (2, 24), generator=torch.Generator().manual_seed(0))
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-6, weight_decay=0.0)
+    policy(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()  # the trainer moves on; the push is skipped
+    try:
+        logprob_gap = push_check(vllm_engine, policy, [ids[0].tolist()], [4])
+        assert logprob_gap < 0.02  # under any bf16 tolerance (config: >= 0.02): the logprob check passes
+        differ, _ = exact_push_check(vllm_engine, policy)
+        assert differ > compared // 2  # fp32: an Adam step moves nearly every element
+        moved = sum(mismatched_elements(bf16_engine[n], policy.state_dict()[n]) for n in EXACT_TENSORS)
+        assert 0 < moved < compared // 10  # bf16: a few elements cross a rounding boundary, and that is enough
+        print(f"skipped push: logprob gap {logprob_gap:.2e}; fp32 {differ}/{compared}, bf16 {moved}/{compared} differ")
+    finally:
+        vllm_engine.push_weights(shipped_weights.items())

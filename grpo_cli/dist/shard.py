@@ -19,7 +19,7 @@ At world size 1 every function here hands the model back as it is.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -102,14 +102,16 @@ def gather_all(model: torch.nn.Module) -> None:
         module.unshard()
 
 
-def full_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, full tensor) for every checkpoint-format tensor of `model`, one at a time: a sharded
-    one is gathered from the ranks when it is reached (every rank must iterate, in the same order),
-    so at most one extra full tensor exists at once."""
+def full_tensors(model: torch.nn.Module, names: Iterable[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full tensor) for every checkpoint-format tensor of `model` (or those in `names`), one at a
+    time: a sharded one is gathered from the ranks when it is reached (every rank must iterate, in the
+    same order), so at most one extra full tensor exists at once."""
     from torch.distributed.tensor import DTensor
 
+    wanted = None if names is None else set(names)
     for name, tensor in unwrap(model).state_dict().items():
-        yield name, (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach()
+        if wanted is None or name in wanted:
+            yield name, (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach()
 
 
 def grad_norm_value(norm: torch.Tensor) -> float:

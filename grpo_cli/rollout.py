@@ -182,6 +182,18 @@ def prefill_waves(prompt_lens: list[int], n: int, token_budget: int, seq_budget:
     return [w for w in waves if w]
 
 
+def sampling_params(sampling: Sampling, seed: int) -> Any:
+    """vLLM's SamplingParams for `sampling` from `seed`. detokenize=False unless there are stop strings: with it
+    on, vLLM also decodes the token of every sampled logprob, step by step; the texts are decoded once at the
+    end instead, in one batch (docs/benchmarks.md). Stop strings need vLLM's detokenizer, so a tool run's
+    turns pay for it."""
+    from vllm import SamplingParams
+
+    stop = {"stop": list(sampling.stop), "include_stop_str_in_output": True} if sampling.stop else {}
+    return SamplingParams(n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
+                          max_tokens=sampling.max_new_tokens, logprobs=0, seed=seed, detokenize=bool(stop), **stop)
+
+
 def in_process_engine_env() -> str | None:
     """Keep vLLM's engine core in this process (the weight push hands it tensors by reference), whatever
     the environment says: an inherited VLLM_ENABLE_V1_MULTIPROCESSING=1 would start it in a subprocess
@@ -248,18 +260,8 @@ class VLLMEngine:
 
     def generate(self, prompt_ids: list[list[int]], sampling: Sampling, seeds: list[int],
                  rows: list[dict] | None = None) -> Rollouts:
-        from vllm import SamplingParams
-
         group_size = sampling.n
-        # detokenize=False: with it on, vLLM also decodes the token of every sampled logprob, step by
-        # step; the texts are decoded once at the end instead, in one batch (docs/benchmarks.md).
-        # Stop strings need vLLM's detokenizer, so a tool run's turns pay for it.
-        stop = {"stop": list(sampling.stop), "include_stop_str_in_output": True} if sampling.stop else {}
-        params = [
-            SamplingParams(n=group_size, temperature=sampling.temperature, top_p=sampling.top_p,
-                           max_tokens=sampling.max_new_tokens, logprobs=0, seed=seed, detokenize=bool(stop), **stop)
-            for seed in seeds
-        ]
+        params = [sampling_params(sampling, seed) for seed in seeds]
         waves = [list(range(len(prompt_ids)))]
         if self.on_cpu:  # half the budget for prefill: running sequences' decode tokens share the step
             waves = prefill_waves([len(ids) for ids in prompt_ids], group_size, CPU_MAX_BATCHED_TOKENS // 2,
@@ -284,7 +286,6 @@ class VLLMEngine:
         finishes; what `on_finish` returns (the request that continues it: a tool's reply appended) joins the
         running batch at the next engine step. So no request waits for the slowest of a batch, and the engine
         steps until nothing runs. The multi-turn tool loop's continuation turns (tools.trajectories)."""
-        from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         engine, keys, pending = self.llm.llm_engine, {}, list(requests)
@@ -294,15 +295,12 @@ class VLLMEngine:
             added = 0
             while pending and (budget is None or not added or added + len(pending[0].prompt_ids) <= budget):
                 request = pending.pop(0)
-                stop = {"stop": list(request.sampling.stop), "include_stop_str_in_output": True} \
-                    if request.sampling.stop else {}
-                params = SamplingParams(n=1, temperature=request.sampling.temperature, top_p=request.sampling.top_p,
-                                        max_tokens=request.sampling.max_new_tokens, logprobs=0, seed=request.seed,
-                                        detokenize=bool(stop), output_kind=RequestOutputKind.FINAL_ONLY, **stop)
+                params = sampling_params(request.sampling, request.seed)  # n = 1
+                params.output_kind = RequestOutputKind.FINAL_ONLY  # as LLM.generate sets it
                 request_id = f"grpo-each-{next(self.request_ids)}"
                 keys[request_id] = request.key
                 internal_id = engine.add_request(request_id, {"prompt_token_ids": request.prompt_ids}, params)
-                if stop:  # stop strings need the detokenizer, which then also decodes each sampled logprob's
+                if params.stop:  # stop strings need the detokenizer, which then also decodes each sampled logprob's
                     # token (a third of a tool step's engine time on CPU); only the ids are read, so drop that
                     state = engine.output_processor.request_states.get(internal_id)
                     if state is not None and state.logprobs_processor is not None:

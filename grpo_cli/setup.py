@@ -104,15 +104,13 @@ def preflight(cfg: TrainConfig) -> Task:
     return task
 
 
-TOOL_RUN_KWARGS = ("tool_calls", "environment_state", "environment_reward")  # what a tool run's rewards receive
-
-
 def check_tool_run(tools: list, reward_fns: list, splits: dict[str, list[dict[str, Any]]]) -> None:
     """What the rewards receive from the trajectories: no column takes one of those names, a reward that needs
     one has it (tools, an environment), the environment's columns are in every row, and the `environment`
     reward has a reward() to return."""
     import inspect
 
+    from grpo_cli.rewards.score import TOOL_RUN_ONLY
     from grpo_cli.tools.environment import check_rows
     from grpo_cli.tools.load import environment_of
 
@@ -121,7 +119,7 @@ def check_tool_run(tools: list, reward_fns: list, splits: dict[str, list[dict[st
              "environment_reward": env is not None and env.has_reward}
     for name, rows in splits.items():
         columns = set().union(*rows) if rows else set()
-        if tools and (taken := sorted(columns & set(TOOL_RUN_KWARGS))):
+        if tools and (taken := sorted(columns & set(TOOL_RUN_ONLY))):
             raise UsageError(f"data: a {name} column is named '{taken[0]}', which a tool run's rewards receive from "
                              "the trajectories; rename the column")
         check_rows(env, rows, name)

@@ -120,7 +120,7 @@ class Scores(NamedTuple):
 # grpo train, grpo eval; tool_calls in a tool run; environment_state and environment_reward with an environment)
 RESERVED = ("completions", "answer_format", "completion_tokens", "max_new_tokens", "prompt", "tool_calls",
             "environment_state", "environment_reward")
-_TOOL_RUN_ONLY = ("tool_calls", "environment_state", "environment_reward")  # reserved only when passed
+TOOL_RUN_ONLY = ("tool_calls", "environment_state", "environment_reward")  # a tool run's only; reserved when passed
 
 
 def score(rewards: list[WeightedReward], completions: list, columns: dict[str, list], answer_format: str,
@@ -143,7 +143,7 @@ def score(rewards: list[WeightedReward], completions: list, columns: dict[str, l
     n = len(completions)
     states, env_rewards = environment if environment is not None else (None, None)
     passed = {"tool_calls": tool_calls, "environment_state": states, "environment_reward": env_rewards}
-    reserved = [name for name in RESERVED if name not in _TOOL_RUN_ONLY or passed[name] is not None]
+    reserved = [name for name in RESERVED if name not in TOOL_RUN_ONLY or passed[name] is not None]
     for name, values in columns.items():
         if name in reserved:
             raise ValueError(f"a dataset column is named '{name}', which reward functions receive as an argument; "

@@ -400,13 +400,15 @@ class HFEngine:
         self.policy.eval()
         device = next(self.policy.parameters()).device
         gather_all(self.policy)  # sharded (FSDP): gathered once, so ranks with different work need no collective
+        # Temperature 0 is greedy (Sampling's contract); transformers' generate refuses temperature=0.
+        decoding = {"do_sample": False} if sampling.temperature == 0 else {
+            "do_sample": True, "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": 0}
         for ids, seed in zip(prompt_ids, seeds):
             torch.manual_seed(seed)
             input_ids = torch.tensor([ids] * sampling.n, device=device)  # [G, T_prompt]
             with torch.no_grad(), self.autocast():
                 out = run_pass(self.policy, _generate,
-                    input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=True,
-                    temperature=sampling.temperature, top_p=sampling.top_p, top_k=0,
+                    input_ids=input_ids, attention_mask=torch.ones_like(input_ids), **decoding,
                     max_new_tokens=sampling.max_new_tokens,
                     eos_token_id=eos, pad_token_id=pad, output_scores=True, return_dict_in_generate=True,
                 )

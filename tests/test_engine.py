@@ -172,6 +172,23 @@ def test_sampling_logprobs_are_of_the_distribution_sampled_from_at_any_temperatu
     assert at_one < 1e-3 and at_cool < max(2 * at_one, 1e-4), (at_one, at_cool)
 
 
+def test_temperature_zero_is_greedy_on_both_engines(vllm_engine, shipped):
+    """Sampling(temperature=0) is greedy decoding: the transformers engine (whose generate refuses temperature
+    0) writes the same tokens as vLLM, whatever the seeds."""
+    from grpo_cli.checkpoint import load_policy
+    from grpo_cli.prompts import render_plain
+    from grpo_cli.rollout import HFEngine, Sampling
+
+    path, _, tokenizer = shipped
+    engine = HFEngine(load_policy(path, "float32"), tokenizer)
+    prompts = [tokenizer(render_plain(q), add_special_tokens=False)["input_ids"] for q in (
+        "A city bike costs 10 per day and Ana keeps it for 3 days. How much does Ana pay in total?",
+        "An e-bike costs 18 per day for 4 days with a 10% discount. What is the total price?")]
+    greedy = Sampling(1, 0.0, 1.0, 60)
+    hf, again = engine.generate(prompts, greedy, [1, 2]), engine.generate(prompts, greedy, [7, 8])
+    assert hf.completion_ids == again.completion_ids == vllm_engine.generate(prompts, greedy, [1, 2]).completion_ids
+
+
 def test_the_exact_push_check_sees_a_skipped_push_that_the_logprob_check_misses(vllm_engine, shipped_weights):
     """One small AdamW step (lr 1e-6) that never reaches the engine: invisible to the logprob check within its
     tolerance, caught element for element, at fp32 on the real engine and at bf16 through vLLM's own weight

@@ -254,7 +254,7 @@ class EvalConfig:
     num_problems: int = 200  # held-out problems used (<= data.num_heldout)
     samples_per_problem: int = 1  # k samples per problem (pass@1 is the mean correctness)
     temperature: float = 1.0  # sampling temperature for evaluation (the training temperature by default)
-    greedy: bool = False  # also report greedy (temperature 0) accuracy
+    greedy: bool = False  # also measure greedy (temperature 0) accuracy: in grpo eval, and at every held-out evaluation of grpo train (eval/greedy_accuracy)
 
     def __post_init__(self) -> None:
         _require(self.every >= 0, "eval.every", "must be >= 0 (0 = only at the end)")

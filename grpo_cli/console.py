@@ -118,7 +118,12 @@ class PlainConsole:
             detail = f" ({', '.join(f'{k} {_f(v)}' for k, v in fns.items())})" if fns else ""
             parts.append(f"reward {_f(m['reward/mean'])}{detail}")
         if "eval/pass@1" in m:
-            parts.append(f"held-out pass@1 {_f(m['eval/pass@1'])}" + (" (baseline)" if step == 0 else ""))
+            extra = [f"greedy {_f(m['eval/greedy_accuracy'])}"] if "eval/greedy_accuracy" in m else []
+            if "eval/tools/call_share" in m:  # a tool run: how many held-out samples (greedy ones) call a tool
+                extra.append(f"calling {_f(m['eval/tools/call_share'], '.2f')}"
+                             + (f"/{_f(m['eval/greedy_call_share'], '.2f')}" if "eval/greedy_call_share" in m else ""))
+            parts.append(f"held-out pass@1 {_f(m['eval/pass@1'])}" + (f" ({', '.join(extra)})" if extra else "")
+                         + (" (baseline)" if step == 0 else ""))
         if "kl" in m:
             parts.append(f"kl {_f(m['kl'], '.4f')} clip {_f(m.get('clip_frac'), '.3f')}")
         if "completion_len/mean" in m:

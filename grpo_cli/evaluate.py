@@ -159,7 +159,7 @@ def evaluate_targets(cfg: EvalCommandConfig, targets: list[runs.Target], rows: l
     with the same per-problem seeds; also every sample when `keep_samples`."""
     from grpo_cli import rollout
     from grpo_cli.checkpoint import checkpoint_weights, load_tokenizer
-    from grpo_cli.heldout import HeldoutSet, greedy_accuracy, heldout_metrics
+    from grpo_cli.heldout import HeldoutSet, add_greedy_metrics, heldout_metrics
     from grpo_cli.prompts import render_row
     from grpo_cli.rollout import Sampling, sample_seeds
     from grpo_cli.runtime import cpu_threads, set_threads
@@ -198,10 +198,7 @@ def evaluate_targets(cfg: EvalCommandConfig, targets: list[runs.Target], rows: l
         metrics = heldout_metrics(engine, heldout, sampling, seeds, samples=samples,
                                   max_tokens=cfg.rollout.trajectory_tokens)
         if cfg.eval.greedy:
-            overall, per_tier = greedy_accuracy(engine, heldout, cfg.rollout.max_new_tokens, cfg.rollout.trajectory_tokens)
-            metrics["greedy_accuracy"] = overall
-            for tier, value in per_tier.items():
-                metrics["per_tier"][tier]["greedy_accuracy"] = value
+            add_greedy_metrics(metrics, engine, heldout, cfg.rollout.max_new_tokens, cfg.rollout.trajectory_tokens)
         metrics["checkpoint"] = os.path.abspath(target.path)
         results.append(metrics)
         all_samples += [{"checkpoint": metrics["checkpoint"], **s} for s in samples or []]
@@ -230,6 +227,11 @@ def _table_rows(results: list[dict[str, Any]]) -> list[tuple[str, list[str]]]:
         rows += [row(f"pass@{k}", lambda m: m["pass@k"]), row(f"maj@{k}", lambda m: m["maj@k"])]
     if "greedy_accuracy" in results[0]:
         rows.append(row("greedy accuracy", lambda m: m["greedy_accuracy"]))
+    for title, key in (("greedy: samples calling a tool", "greedy_call_share"), ("samples calling a tool", "tools/call_share"),
+                       ("pass@1 of samples calling", "tools/pass@1_calling"),
+                       ("pass@1 of samples not calling", "tools/pass@1_not_calling")):
+        if any(key in m for m in results):  # a tool run
+            rows.append(row(title, lambda m, key=key: m[key]))
     rows += [row(f"mean reward: {name}", lambda m, n=name: m["mean_reward"][n]) for name in results[0]["mean_reward"]]
     rows += [(title, [f"{m[key]:.1f}" if key == "mean_length" else f"{m[key]:.3f}" for m in results])
              for title, key in (("mean length (tokens)", "mean_length"), ("truncation rate", "truncation_rate"))]

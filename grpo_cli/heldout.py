@@ -142,8 +142,9 @@ def heldout_metrics(engine: Engine, heldout: HeldoutSet, sampling: Sampling, see
     parts = (k, correct, scored.per_function, lengths, truncated, votes)
     metrics = summarise(list(range(len(rows))), *parts)
     metrics["per_tier"] = {tier: summarise(idx, *parts) for tier, idx in _tiers(rows).items()}
-    if out.segments:  # a tool run: how the model used its tools
+    if out.segments:  # a tool run: how the model used its tools, and how often that was right
         metrics.update(tool_metrics(out))
+        metrics.update(pass_at_1_by_calling(out.segments, correct))
     if samples is not None:
         for s, text in enumerate(texts):
             p = s // k
@@ -157,9 +158,23 @@ def heldout_metrics(engine: Engine, heldout: HeldoutSet, sampling: Sampling, see
     return metrics
 
 
-def greedy_accuracy(engine: Engine, heldout: HeldoutSet, max_new_tokens: int,
-                    max_tokens: int | None = None) -> tuple[float, dict[str, float]]:
-    """Accuracy of one temperature-0 completion per row: (overall, per tier). `max_tokens` as in heldout_metrics."""
+def pass_at_1_by_calling(segments: list[list[list[dict[str, Any]]]], correct: list[float]) -> dict[str, float]:
+    """pass@1 of the samples that call a tool and of those that do not (`segments` [N][k], `correct` [N*k]);
+    a side with no sample has no key."""
+    calls = [any(s["role"] == "tool" for s in turns) for group in segments for turns in group]  # [N*k]
+    out = {}
+    for key, side in (("tools/pass@1_calling", True), ("tools/pass@1_not_calling", False)):
+        values = [c for c, called in zip(correct, calls, strict=True) if called == side]
+        if values:
+            out[key] = _mean(values)
+    return out
+
+
+def add_greedy_metrics(metrics: dict[str, Any], engine: Engine, heldout: HeldoutSet, max_new_tokens: int,
+                       max_tokens: int | None = None) -> None:
+    """Into heldout_metrics' dict: one temperature-0 completion per row scored as greedy_accuracy (overall and
+    in each per_tier entry), and in a tool run greedy_call_share (the share of rows whose greedy completion
+    calls a tool). `max_tokens` as in heldout_metrics."""
     from grpo_cli.rewards import correctness_name
     from grpo_cli.rollout import Sampling
 
@@ -167,7 +182,12 @@ def greedy_accuracy(engine: Engine, heldout: HeldoutSet, max_new_tokens: int,
                           heldout.rows)
     scored = heldout.score(out, max_tokens or max_new_tokens)
     correct = scored.per_function[correctness_name(heldout.rewards)]  # [N]
-    return _mean(correct), {tier: _mean([correct[i] for i in idx]) for tier, idx in _tiers(heldout.rows).items()}
+    metrics["greedy_accuracy"] = _mean(correct)
+    for tier, idx in _tiers(heldout.rows).items():
+        metrics["per_tier"][tier]["greedy_accuracy"] = _mean([correct[i] for i in idx])
+    if out.segments:
+        metrics["greedy_call_share"] = _mean([float(any(s["role"] == "tool" for s in group[0]))
+                                              for group in out.segments])
 
 
 def flatten(metrics: dict[str, Any], prefix: str = "eval/") -> dict[str, float]:

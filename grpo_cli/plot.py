@@ -1,7 +1,8 @@
 """`grpo plot`: one PNG of a run's metrics.jsonl, or of several runs overlaid.
 
-Panels: reward and held-out pass@1; KL; completion length and truncation; zero-variance group fractions;
-the step-time split; rollout throughput. Keys missing from a metrics file (an older run) leave a panel,
+Panels: reward and held-out pass@1 (sampled, and greedy when measured); KL; completion length and
+truncation; zero-variance group fractions; the step-time split; rollout throughput; and for a run with
+tools, the share of samples that call one (train, held-out, greedy) and the calls and turns per sample. Keys missing from a metrics file (an older run) leave a panel,
 or a line in it, empty instead of failing. matplotlib is imported only here, through its object API
 (Figure + Agg canvas), so no GUI backend or global pyplot state is involved.
 """
@@ -90,8 +91,9 @@ def plot_runs(run_dirs: list[Path], out: Path, labels: list[str] | None = None) 
     runs = [read_metrics(d) for d in run_dirs]
     several = len(runs) > 1
 
-    fig = Figure(figsize=(16, 9), dpi=100, layout="constrained")
-    axes = fig.subplots(2, 3)
+    tools = any("tools/call_share" in row for rows in runs for row in rows)  # a tool run gets a fourth column
+    fig = Figure(figsize=(21 if tools else 16, 9), dpi=100, layout="constrained")
+    axes = fig.subplots(2, 4 if tools else 3)
     title = f"grpo run {labels[0]}" if not several else f"{len(runs)} runs compared"
     fig.suptitle(title, fontsize=13)
 
@@ -132,7 +134,8 @@ def plot_runs(run_dirs: list[Path], out: Path, labels: list[str] | None = None) 
         else:
             ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes, color="0.5")
 
-    reward_series = [("reward/mean", "train reward (mean)", "-", False), ("eval/pass@1", "held-out pass@1", "--", True)]
+    reward_series = [("reward/mean", "train reward (mean)", "-", False), ("eval/pass@1", "held-out pass@1", "--", True),
+                     ("eval/greedy_accuracy", "held-out greedy pass@1", "-.", True)]
     if not several:  # each reward function's mean too: a stuck format reward shows here first
         names = dict.fromkeys(k for row in runs[0] for k in row if k.startswith("reward/") and k not in REWARD_STATS)
         reward_series += [(k, k.removeprefix("reward/"), ":", False) for k in names]
@@ -146,6 +149,14 @@ def plot_runs(run_dirs: list[Path], out: Path, labels: list[str] | None = None) 
                 ("groups/all_wrong_frac", "all wrong", "--", False)], "fraction of groups", fraction=True)
     _time_panel(axes[1, 1], runs, labels)
     line_panel(axes[1, 2], "rollout throughput", [("tokens_per_s", "tokens/s", "-", False)], "tokens / s")
+    if tools:
+        line_panel(axes[0, 3], "tool use: samples that call a tool",
+                   [("tools/call_share", "train samples", "-", False),
+                    ("eval/tools/call_share", "held-out samples", "--", True),
+                    ("eval/greedy_call_share", "held-out greedy", "-.", True)], "share of samples", fraction=True)
+        line_panel(axes[1, 3], "tool calls and turns per sample",
+                   [("tools/calls_per_sample", "calls", "-", False), ("tools/failed_per_sample", "failed calls", "--", False),
+                    ("tools/turns_per_sample", "model turns", ":", False)], "per sample")
 
     if several:
         fig.legend(handles=[Line2D([], [], color=f"C{r}", linewidth=3, label=label) for r, label in enumerate(labels)],

@@ -186,14 +186,17 @@ def heldout_eval(state: RunState, cfg: TrainConfig, step: int) -> dict[str, floa
     size > 1 the ranks' engines sample their shares of the problems (ShardedEngine), and rank 0's
     metrics are everyone's (a reward that timed out on one rank only must not split the best-model
     decision)."""
-    from grpo_cli.heldout import flatten, heldout_metrics
+    from grpo_cli.heldout import add_greedy_metrics, flatten, heldout_metrics
     from grpo_cli.rollout import Sampling, sample_seeds
 
     sampling = Sampling(cfg.eval.samples_per_problem, cfg.eval.temperature, cfg.rollout.top_p,
                         cfg.rollout.max_new_tokens)
     seeds = sample_seeds(cfg.trainer.seed, step, len(state.heldout.rows), stream=1)
-    return state.dist.broadcast(flatten(heldout_metrics(state.engine, state.heldout, sampling, seeds,
-                                                        max_tokens=cfg.rollout.trajectory_tokens)))
+    metrics = heldout_metrics(state.engine, state.heldout, sampling, seeds, max_tokens=cfg.rollout.trajectory_tokens)
+    if cfg.eval.greedy:  # eval/greedy_accuracy (and in a tool run eval/greedy_call_share)
+        add_greedy_metrics(metrics, state.engine, state.heldout, cfg.rollout.max_new_tokens,
+                           cfg.rollout.trajectory_tokens)
+    return state.dist.broadcast(flatten(metrics))
 
 
 def maybe_checkpoint(state: RunState, metrics: dict[str, Any], cfg: TrainConfig, save_now: bool) -> None:

@@ -21,7 +21,7 @@ import pytest
 from grpo_cli import heldout
 from grpo_cli.checkpoint import checkpoint_weights
 from grpo_cli.config import DataConfig
-from grpo_cli.heldout import HeldoutSet, answer_key, majority_vote, pass_at_k, summarise
+from grpo_cli.heldout import HeldoutSet, answer_key, majority_vote, pass_at_1_by_calling, pass_at_k, summarise
 from grpo_cli.rollout import Sampling
 
 REPO = Path(__file__).resolve().parents[1]
@@ -102,6 +102,14 @@ class ScriptedEngine:
         ids = [[[0] * len(t) for t in group] for group in self.texts]
         return Rollouts(prompt_ids, ids, [[[0.0] * len(t) for t in g] for g in self.texts], self.texts,
                         self.truncated)
+
+
+def test_pass_at_1_is_split_by_whether_the_sample_called_a_tool():
+    model, tool = {"role": "model", "text": "a"}, {"role": "tool", "text": "<result>1</result>"}
+    segments = [[[model, tool, model], [model]], [[model], [model, tool, model]]]  # [N=2][k=2]
+    assert pass_at_1_by_calling(segments, [1.0, 0.0, 1.0, 1.0]) == {"tools/pass@1_calling": 1.0,
+                                                                     "tools/pass@1_not_calling": 0.5}
+    assert pass_at_1_by_calling([[[model]]], [1.0]) == {"tools/pass@1_not_calling": 1.0}  # no sample called
 
 
 def test_heldout_metrics_per_tier_and_samples():

@@ -106,8 +106,8 @@ class RolloutConfig:
     temperature: float = 1.0  # sampling temperature; > 0 so a group has diversity
     top_p: float = 1.0  # nucleus sampling mass
     max_new_tokens: int = 64  # completion length cap, in tokens; longer answers are truncated and counted
-    kv_cache_gib: float = 1.0  # vLLM KV-cache size in GiB of host RAM (CPU) or device memory (GPU)
-    gpu_memory_utilization: float = 0.5  # vLLM's fraction of GPU memory (GPU only; on CPU kv_cache_gib is used)
+    kv_cache_gib: float = 1.0  # vLLM KV-cache size in GiB of host RAM (CPU) or device memory (GPU, unless gpu_memory_utilization is set)
+    gpu_memory_utilization: float | None = None  # GPU: None = vLLM reserves its weights + kv_cache_gib + a workspace, checked against free memory at its start; a fraction = vLLM's share of the whole device, from which it sizes the KV cache itself
     push_check_every: int = 10  # every N steps compare vLLM logprobs (and, at the first step too, a few tensors exactly) with the trainer's after a push; 0 = never
     push_check_tol: float = 1e-3  # max mean |logprob difference| before the run stops with a stale-weights error (>= 0.02 in bf16/fp16)
     sleep_mode: str = "auto"  # vLLM sleep mode: "auto" (on when vLLM shares a CUDA device with the trainer) | "on" | "off"
@@ -153,7 +153,8 @@ class RolloutConfig:
         _require(0 < self.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
         _require(self.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1")
         _require(self.kv_cache_gib > 0, "rollout.kv_cache_gib", "must be > 0")
-        _require(0 < self.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization", "must be in (0, 1]")
+        _require(self.gpu_memory_utilization is None or 0 < self.gpu_memory_utilization <= 1,
+                 "rollout.gpu_memory_utilization", "must be in (0, 1], or null (size the KV cache by kv_cache_gib)")
         _require(self.push_check_every >= 0, "rollout.push_check_every", "must be >= 0 (0 = never)")
         if self.multi_turn:
             _require(self.max_turns >= 2, "rollout.max_turns", f"is {self.max_turns}; with tools a trajectory needs >= 2 "

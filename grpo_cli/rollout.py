@@ -23,10 +23,12 @@ weights are pushed into woken memory and the check runs on what will sample.
 from __future__ import annotations
 
 import itertools
+import math
 import os
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from grpo_cli.config import ModelConfig, RolloutConfig, TrainConfig
@@ -168,6 +170,58 @@ CPU_MAX_SEQS = 512  # sequences running at once
 CPU_TOOL_BLOCK_SIZE = 32  # KV-cache block (prefix-cache unit) of a tool run on CPU; the backend wants multiples of 32
 
 
+# On a GPU with the KV cache sized by rollout.kv_cache_gib, what vLLM uses beyond its weights and the cache: the
+# activations of its profile run (up to max_num_batched_tokens), CUDA graphs and the sampler's buffers.
+ENGINE_WORKSPACE_GIB = 2.0
+
+
+def weight_bytes(model_path: str, dtype: str) -> int:
+    """The bytes of a model's weights held in `dtype` (the engine's), read from its safetensors headers: a local
+    directory, or a hub id (its safetensors are fetched into the cache, where vLLM then finds them)."""
+    import torch
+    from safetensors import safe_open
+
+    folder = Path(model_path)
+    if not folder.is_dir():
+        from huggingface_hub import snapshot_download
+
+        folder = Path(snapshot_download(model_path, allow_patterns=["*.safetensors"]))
+    element = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    total = 0
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            total += sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys()) * element
+    return total
+
+
+def engine_utilization(weights: int, kv_cache: int, free: int, total: int) -> float:
+    """The gpu_memory_utilization to start vLLM with when `kv_cache_memory_bytes` sizes its cache. vLLM then
+    still refuses to start unless the device's free memory is at least utilization x its total
+    (v1/worker/utils.py, request_memory), which the default 0.9 fails as soon as the trainer's models hold
+    a tenth of the device. So ask for what the engine uses: its weights, the cache and a workspace. All in
+    bytes; raises UsageError when that is more than is free."""
+    from grpo_cli.errors import UsageError
+
+    need = weights + kv_cache + int(ENGINE_WORKSPACE_GIB * 2**30)
+    if need > free:
+        gib = lambda n: f"{n / 2**30:.1f} GiB"  # noqa: E731
+        raise UsageError(f"rollout.kv_cache_gib: the vLLM engine needs {gib(need)} (weights {gib(weights)}, KV cache "
+                         f"{gib(kv_cache)}, workspace {gib(int(ENGINE_WORKSPACE_GIB * 2**30))}) but {gib(free)} of "
+                         f"the device's {gib(total)} is free; lower rollout.kv_cache_gib or the trainer's memory")
+    return need / total
+
+
+def cuda_engine_memory(model_path: str, dtype: str, kv_cache_gib: float) -> dict[str, Any]:
+    """vLLM's memory arguments on the current CUDA device: the KV cache sized explicitly, and a utilization its
+    start-up check passes with (`engine_utilization`), from the memory free now."""
+    import torch
+
+    free, total = torch.cuda.mem_get_info()
+    kv_cache = int(kv_cache_gib * 2**30)
+    return {"kv_cache_memory_bytes": kv_cache,
+            "gpu_memory_utilization": engine_utilization(weight_bytes(model_path, dtype), kv_cache, free, total)}
+
+
 def prefill_waves(prompt_lens: list[int], n: int, token_budget: int, seq_budget: int) -> list[list[int]]:
     """Split request indices into consecutive waves; each wave's prompts x n fit both budgets."""
     waves: list[list[int]] = [[]]
@@ -227,8 +281,11 @@ class VLLMEngine:
         self.sleeping = False
         self.sleep_enabled = sleep and not self.on_cpu  # vLLM's sleep mode needs CUDA memory
         if not self.on_cpu:
-            kwargs["gpu_memory_utilization"] = rollout.gpu_memory_utilization
             kwargs["enable_sleep_mode"] = self.sleep_enabled
+            if rollout.gpu_memory_utilization is not None:  # vLLM sizes the cache from its share of the device
+                kwargs["gpu_memory_utilization"] = rollout.gpu_memory_utilization
+            else:
+                kwargs.update(cuda_engine_memory(model_path, model.dtype, rollout.kv_cache_gib))
         else:
             # On the CPU backend the default reservation fails on small hosts: size it explicitly.
             kwargs["kv_cache_memory_bytes"] = int(rollout.kv_cache_gib * 2**30)

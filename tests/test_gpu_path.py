@@ -224,3 +224,53 @@ def test_a_second_gpu_for_the_vllm_engine_is_refused_with_the_setting_that_works
                                           "the GPU with CUDA_VISIBLE_DEVICES=1 and trainer.device=cuda"):
         TrainConfig(task="t", rewards=[RewardSpec(name="correct")], trainer=TrainerConfig(device="cuda:1"))
     TrainConfig(task="t", rewards=[RewardSpec(name="correct")], trainer=TrainerConfig(device="cuda:0"))  # fine
+
+
+def test_the_engine_asks_a_shared_gpu_for_its_weights_cache_and_workspace_only():
+    """vLLM refuses to start unless free memory >= gpu_memory_utilization x the device; with the KV cache
+    sized by rollout.kv_cache_gib the engine asks for what it uses, and says in one line when that does not fit."""
+    from grpo_cli.errors import UsageError
+    from grpo_cli.rollout import ENGINE_WORKSPACE_GIB, engine_utilization, weight_bytes
+
+    gib = 2**30
+    total = 141 * gib  # an H200, a third of it held by the trainer's models
+    assert engine_utilization(1 * gib, 4 * gib, 94 * gib, total) == pytest.approx((5 + ENGINE_WORKSPACE_GIB) / 141)
+    with pytest.raises(UsageError, match=r"rollout.kv_cache_gib: the vLLM engine needs 36.0 GiB .* 20.0 GiB"):
+        engine_utilization(2 * gib, 32 * gib, 20 * gib, total)
+    shipped = REPO / "grpo_cli" / "models" / "bike_base"
+    params = 1_116_800  # the shipped model, tied embedding counted once
+    assert weight_bytes(str(shipped), "float32") == 4 * params and weight_bytes(str(shipped), "bfloat16") == 2 * params
+
+
+@pytest.mark.parametrize("utilization", [None, 0.4])
+def test_on_cuda_the_kv_cache_is_sized_explicitly_unless_a_utilization_is_given(monkeypatch, utilization):
+    """The vLLM engine's arguments on a (pretend) CUDA device with 100 GiB free of 141: a 4 GiB cache and the
+    utilization its start-up check passes with; an explicit rollout.gpu_memory_utilization is passed as is."""
+    import vllm
+
+    from grpo_cli.config import ModelConfig, RolloutConfig
+    from grpo_cli.rollout import ENGINE_WORKSPACE_GIB, VLLMEngine, weight_bytes
+
+    seen = {}
+
+    class Engine:  # vllm.LLM's constructor needs CUDA here: the one stand-in
+        def __init__(self, **kwargs):
+            seen.update(kwargs)
+
+        def get_tokenizer(self):
+            return None
+
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (100 * gib, 141 * gib))
+    monkeypatch.setattr(vllm, "LLM", Engine)
+    shipped = str(REPO / "grpo_cli" / "models" / "bike_base")
+    VLLMEngine(shipped, ModelConfig(dtype="bfloat16"), RolloutConfig(kv_cache_gib=4, gpu_memory_utilization=utilization),
+               seed=0)
+    if utilization is None:
+        assert seen["kv_cache_memory_bytes"] == 4 * gib
+        expected = (weight_bytes(shipped, "bfloat16") + (4 + ENGINE_WORKSPACE_GIB) * gib) / (141 * gib)
+        assert seen["gpu_memory_utilization"] == pytest.approx(expected)
+    else:
+        assert "kv_cache_memory_bytes" not in seen and seen["gpu_memory_utilization"] == 0.4
+    assert "max_num_seqs" not in seen and "block_size" not in seen  # the CPU backend's settings stay on the CPU

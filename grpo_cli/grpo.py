@@ -17,7 +17,7 @@ One training step, in these functions:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
 import torch
@@ -343,15 +343,33 @@ def _per_token_terms(batch: LossInputs, params: LossParams):
         tokens = completion.sum()  # scalar: completion tokens in this batch
         stacked = torch.stack([t.detach() for t in terms])  # [n, B, T]
         means = torch.where(completion, stacked, 0.0).sum(dim=(1, 2)) / tokens.clamp(min=1)  # [n]
-        values = torch.cat([means, tokens.reshape(1).to(means.dtype)]).tolist()  # one device sync
-    stats = dict(zip([*names, "tokens"], values, strict=True))
-    return per_token, mask, stats  # [B, T], [B, T], dict
+        values = torch.cat([means, tokens.reshape(1).to(means.dtype)])  # [n + 1], left on the device
+    return per_token, mask, LossStats((*names, "tokens"), values)  # [B, T], [B, T]
+
+
+class LossStats(Mapping):
+    """A loss's stats by name, held as one device tensor `tensor` [n] (no host sync when the loss runs: the
+    update adds them up on the device and reads them once per step); reading one by name syncs."""
+
+    def __init__(self, names: tuple[str, ...], tensor: torch.Tensor) -> None:
+        self.names, self.tensor = names, tensor
+
+    def __getitem__(self, name: str) -> float:
+        if name not in self.names:
+            raise KeyError(name)
+        return float(self.tensor[self.names.index(name)])
+
+    def __iter__(self):
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
 
 
 # -- aggregations: how the per-token loss [B, T] becomes one number
 
 
-def grpo_loss(batch: LossInputs, params: LossParams = DEFAULT_PARAMS) -> tuple[torch.Tensor, dict[str, float]]:
+def grpo_loss(batch: LossInputs, params: LossParams = DEFAULT_PARAMS) -> tuple[torch.Tensor, LossStats]:
     """GRPO's aggregation: the per-token loss averaged over each sequence's completion tokens, then
     over sequences:
 
@@ -372,7 +390,7 @@ def grpo_loss(batch: LossInputs, params: LossParams = DEFAULT_PARAMS) -> tuple[t
     micro-batch and sum (backward) the micro-batch losses as they are; equivalently, with the
     default, scale each micro-batch loss by `micro_seqs / total_seqs`.
 
-    Returns the scalar loss and float stats: every key but `tokens` is a token mean over this
+    Returns the scalar loss and its `LossStats`: every key but `tokens` is a token mean over this
     batch's completion tokens (kl, clip_frac, ratio, surrogate; entropy and correction/* when
     present; rejected samples included); `tokens` is their count, the weight that merges micro-batches'
     means into the batch's.
@@ -383,7 +401,7 @@ def grpo_loss(batch: LossInputs, params: LossParams = DEFAULT_PARAMS) -> tuple[t
     return per_sequence.sum() / denom, stats  # scalar
 
 
-def token_mean_loss(batch: LossInputs, params: LossParams = DEFAULT_PARAMS) -> tuple[torch.Tensor, dict[str, float]]:
+def token_mean_loss(batch: LossInputs, params: LossParams = DEFAULT_PARAMS) -> tuple[torch.Tensor, LossStats]:
     """DAPO's token-level aggregation (Yu et al. 2025): the same per-token terms as `grpo_loss`,
     averaged over all completion tokens of the batch, so long answers weigh in proportion to their length:
 
@@ -398,7 +416,7 @@ def token_mean_loss(batch: LossInputs, params: LossParams = DEFAULT_PARAMS) -> t
     return per_token.sum() / denom, stats  # scalar
 
 
-def dr_grpo_loss(batch: LossInputs, params: LossParams = DEFAULT_PARAMS) -> tuple[torch.Tensor, dict[str, float]]:
+def dr_grpo_loss(batch: LossInputs, params: LossParams = DEFAULT_PARAMS) -> tuple[torch.Tensor, LossStats]:
     """Dr. GRPO's aggregation (Liu et al. 2025): each sequence's token SUM divided by one constant
     (`params.max_new_tokens`, the rollout's length cap), then the mean over sequences:
 
@@ -435,7 +453,7 @@ def dr_grpo_normalizer(completion_mask: torch.Tensor, params: LossParams = DEFAU
     return float(_sequences(completion_mask) * params.max_new_tokens)
 
 
-LossFn = Callable[[LossInputs, LossParams], tuple[torch.Tensor, dict[str, float]]]
+LossFn = Callable[[LossInputs, LossParams], tuple[torch.Tensor, LossStats]]
 
 # trainer.loss picks one aggregation by name; variants are separate functions, not branches.
 LOSSES: dict[str, LossFn] = {"grpo": grpo_loss, "token_mean": token_mean_loss, "dr_grpo": dr_grpo_loss}

@@ -159,17 +159,20 @@ def prompt_states(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask:
 
 
 def prompt_leaves(states: PromptStates) -> PromptStates:
-    """Detached copies of `states` that require grad: each micro-batch's backward adds its share
-    of the prompts' gradient into their `.grad` instead of re-running the prompt pass's backward."""
-    kv = [(k.detach().requires_grad_(), v.detach().requires_grad_()) for k, v in states.kv]
-    return PromptStates(kv, states.final.detach().requires_grad_(), states.mask)
+    """Detached float32 copies of `states` that require grad: each micro-batch's backward adds its share
+    of the prompts' gradient into their `.grad` instead of re-running the prompt pass's backward. Under
+    bf16 autocast the states are bf16, and a bf16 `.grad` would round the sum at every micro-batch; in
+    float32 (a no-op for float32 states) it rounds once, in `prompt_backward`."""
+    kv = [(k.detach().float().requires_grad_(), v.detach().float().requires_grad_()) for k, v in states.kv]
+    return PromptStates(kv, states.final.detach().float().requires_grad_(), states.mask)
 
 
 def prompt_backward(states: PromptStates, leaves: PromptStates) -> None:
-    """After the last micro-batch: backward through the prompt pass with what the leaves collected."""
+    """After the last micro-batch: backward through the prompt pass with what the leaves collected (each
+    sum cast to its state's dtype)."""
     outputs = [t for pair in states.kv for t in pair] + [states.final]
     grads = [t.grad for pair in leaves.kv for t in pair] + [leaves.final.grad]
-    pairs = [(out, grad) for out, grad in zip(outputs, grads) if grad is not None]
+    pairs = [(out, grad.to(out.dtype)) for out, grad in zip(outputs, grads) if grad is not None]
     if pairs:
         torch.autograd.backward([out for out, _ in pairs], [grad for _, grad in pairs])
 

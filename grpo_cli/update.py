@@ -19,6 +19,7 @@ from grpo_cli.config import TrainConfig
 if TYPE_CHECKING:
     import torch
 
+    from grpo_cli import grpo
     from grpo_cli.collect import Groups
     from grpo_cli.dist import Dist
     from grpo_cli.grpo import LossParams
@@ -144,20 +145,57 @@ def merge_token_means(total: dict[str, float], stats: dict[str, float]) -> None:
     total["tokens"] = total.get("tokens", 0.0) + stats["tokens"]
 
 
+class DeviceSums:
+    """The update's running sums, kept on the device in float64 so that the loop never waits for the device
+    inside a step (one read in `update`, at its end): each loss stat x its tokens and the tokens
+    (`merge_token_means` on tensors, in the same order, so the totals are the same floats), and the
+    train/inference mismatch of the first epoch with its token count."""
+
+    def __init__(self) -> None:
+        self.names: tuple[str, ...] | None = None
+        self.stats: torch.Tensor | None = None  # [n] each stat x tokens, then tokens
+        self.mismatch: torch.Tensor | None = None  # [2] |logprob difference| summed, and its tokens
+
+    def add_stats(self, stats: grpo.LossStats) -> None:
+        import torch
+
+        values = stats.tensor.detach().double()  # [n] token means, then tokens
+        weighted = torch.cat([values[:-1] * values[-1], values[-1:]])  # [n]
+        self.names = stats.names
+        self.stats = weighted if self.stats is None else self.stats + weighted
+
+    def add_mismatch(self, abs_diff_sum: torch.Tensor, tokens: torch.Tensor) -> None:
+        import torch
+
+        pair = torch.stack([abs_diff_sum.detach().double(), tokens.detach().double()])  # [2]
+        self.mismatch = pair if self.mismatch is None else self.mismatch + pair
+
+    def read(self) -> tuple[dict[str, float], float, float]:
+        """(stat sums by name with "tokens", mismatch sum, mismatch tokens), read from the device once."""
+        import torch
+
+        parts = [t for t in (self.stats, self.mismatch) if t is not None]
+        values = torch.cat(parts).tolist() if parts else []
+        n = len(self.names) if self.stats is not None else 0
+        mismatch = values[n:] if self.mismatch is not None else [0.0, 0.0]
+        return dict(zip(self.names or (), values[:n])), mismatch[0], mismatch[1]
+
+
 def minibatch_step(state: RunState, part: Minibatch, params: LossParams, cfg: TrainConfig,
-                   sums: dict[str, float]) -> tuple[float, float, bool, float, int]:
+                   sums: DeviceSums, first_epoch: bool) -> tuple[float, float, bool]:
     """One optimizer step on one minibatch: the loss summed over its micro-batches, clipped gradient,
     AdamW (skipped when the loss or gradient is not finite on some rank), lr schedule. Adds the loss's
-    stats into `sums`; returns loss, grad norm, finite, and the mismatch sum and token count."""
+    stats (and in the first epoch the train/inference mismatch) into `sums` on the device; returns loss,
+    grad norm and finite, read from the device once (the step's only wait for it)."""
     import torch
 
     from grpo_cli import grpo, passes
-    from grpo_cli.dist.shard import grad_norm_value, reshard_all, run_pass
+    from grpo_cli.dist.shard import grad_norm_tensor, reshard_all, run_pass
 
     t_cfg, policy, optimizer, dist = cfg.trainer, state.policy, state.optimizer, state.dist
     loss_fn = grpo.LOSSES[t_cfg.loss]
     optimizer.zero_grad(set_to_none=True)
-    loss_total, mismatch_sum, mismatch_tokens = 0.0, 0.0, 0
+    loss_total = torch.zeros((), dtype=torch.float64, device=dist.device)  # on the device: no sync per micro-batch
     with dist.autocast(cfg.model.dtype):  # forward passes in the compute dtype; logprobs and loss in float32
         prompts = run_pass(policy, passes.prompt_states, part.prompt_ids, part.prompt_mask)  # autograd: backward at the end
     leaves = passes.prompt_leaves(prompts)  # collect the prompts' gradient over the micro-batches
@@ -172,20 +210,20 @@ def minibatch_step(state: RunState, part: Minibatch, params: LossParams, cfg: Tr
                                  normalizer=part.normalizer, entropy=entropy)
         loss, stats = loss_fn(inputs, params)
         loss.backward()
-        loss_total += float(loss.detach())
-        merge_token_means(sums, stats)
-        # train/inference mismatch: the engine's sampling logprobs vs the trainer's, same tokens
-        mismatch_sum += float(((logps.detach() - mb.sampling_logprobs).abs() * mb.mask).sum())
-        mismatch_tokens += int(mb.mask.sum())
+        loss_total = loss_total + loss.detach().double()
+        sums.add_stats(stats)
+        if first_epoch:  # train/inference mismatch: the engine's sampling logprobs vs the trainer's, same tokens
+            sums.add_mismatch(((logps.detach() - mb.sampling_logprobs).abs() * mb.mask).sum(), mb.mask.sum())
     passes.prompt_backward(prompts, leaves)  # the prompts' share of the gradient
     reshard_all(policy)  # FSDP (world size > 1): sharded parameters and gradients for the clip and the step
-    grad_norm = grad_norm_value(torch.nn.utils.clip_grad_norm_(policy.parameters(), t_cfg.max_grad_norm))
-    finite = dist.all(math.isfinite(grad_norm) and math.isfinite(loss_total))
+    norm = grad_norm_tensor(torch.nn.utils.clip_grad_norm_(policy.parameters(), t_cfg.max_grad_norm))
+    loss_value, grad_norm = torch.stack([loss_total, norm.double().to(loss_total.device)]).tolist()  # one sync
+    finite = dist.all(math.isfinite(grad_norm) and math.isfinite(loss_value))
     if finite:  # skip a non-finite update: one bad batch must not poison the weights
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     state.scheduler.step()
-    return loss_total, grad_norm, finite, mismatch_sum, mismatch_tokens
+    return loss_value, grad_norm, finite
 
 
 def update(state: RunState, batch: TrainBatch, params: LossParams, cfg: TrainConfig) -> dict[str, Any]:
@@ -196,17 +234,15 @@ def update(state: RunState, batch: TrainBatch, params: LossParams, cfg: TrainCon
     the first pass; grad_norm (mean over the steps taken, None when all were skipped) and
     skipped_nonfinite (optimizer steps skipped).
     """
-    sums: dict[str, float] = {}  # each loss stat x tokens, and tokens
+    device_sums = DeviceSums()  # each loss stat x tokens, tokens, and the mismatch: read once, below
     losses, norms, skipped = [], [], 0
-    mismatch_sum, mismatch_tokens = 0.0, 0
     for epoch in range(cfg.trainer.ppo_epochs):
         for part in batch.minibatches:
-            loss, grad_norm, finite, m_sum, m_tokens = minibatch_step(state, part, params, cfg, sums)
+            loss, grad_norm, finite = minibatch_step(state, part, params, cfg, device_sums, first_epoch=epoch == 0)
             losses.append(loss)
             norms += [grad_norm] if finite else []
             skipped += int(not finite)
-            if epoch == 0:
-                mismatch_sum, mismatch_tokens = mismatch_sum + m_sum, mismatch_tokens + m_tokens
+    sums, mismatch_sum, mismatch_tokens = device_sums.read()
     if not batch.minibatches:  # nothing kept: the schedule still advances by the steps it would have taken
         state.optimizer.zero_grad(set_to_none=True)
         for _ in range(cfg.trainer.ppo_epochs * cfg.trainer.minibatches):

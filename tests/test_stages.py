@@ -166,8 +166,9 @@ def tiny_policy(seed: int = 0):
     return Qwen2ForCausalLM(config).train()
 
 
-def run_update(micro_batch_size: int, ppo_epochs: int = 2, minibatches: int = 2):
-    """One training step's update on a fixed synthetic batch; returns the weights after it and the stats."""
+def run_update(micro_batch_size: int, ppo_epochs: int = 2, minibatches: int = 2, around=lambda update: update()):
+    """One training step's update on a fixed synthetic batch; returns the weights after it and the stats.
+    `around` runs the update itself (a test counts what happens inside it)."""
     from grpo_cli.config import RewardSpec, RolloutConfig, TrainConfig
     from grpo_cli.optim import build_optimizer
     from grpo_cli.update import fill_logprobs, loss_params, update
@@ -192,7 +193,7 @@ def run_update(micro_batch_size: int, ppo_epochs: int = 2, minibatches: int = 2)
     batch = TrainBatch.build(groups, 0, cfg.trainer, Dist(), params)
     state = stage_state(policy=policy, optimizer=optimizer, scheduler=scheduler)
     fill_logprobs(state, batch, groups, cfg)
-    stats = update(state, batch, params, cfg)
+    stats = around(lambda: update(state, batch, params, cfg))
     return {k: v.detach().clone() for k, v in policy.state_dict().items()}, stats, scheduler
 
 
@@ -372,3 +373,64 @@ def test_the_optimizer_state_round_trips_exactly_with_two_parameter_groups(tmp_p
     for i, values in saved["state"].items():
         for key, value in values.items():
             assert restored["state"][i][key].equal(value), (i, key)
+
+
+def counting_syncs(monkeypatch, counts: list[int]):
+    """An `around` for run_update: counts the host reads of a tensor (item, tolist, float, int, bool) that
+    grpo_cli's own code makes inside the update (on a GPU each one waits for the device; transformers' own
+    are not counted) and appends the count to `counts`."""
+    import sys
+
+    def around(update):
+        calls = [0]
+        for name in ("item", "tolist", "__float__", "__int__", "__bool__"):
+            original = getattr(torch.Tensor, name)
+
+            def counted(self, *args, _original=original, **kwargs):
+                calls[0] += "/grpo_cli/" in sys._getframe(1).f_code.co_filename
+                return _original(self, *args, **kwargs)
+
+            monkeypatch.setattr(torch.Tensor, name, counted)
+        try:
+            return update()
+        finally:
+            monkeypatch.undo()
+            counts.append(calls[0])
+
+    return around
+
+
+def test_the_update_reads_the_device_once_per_optimizer_step_whatever_the_micro_batches(monkeypatch):
+    """4 optimizer steps (2 epochs x 2 minibatches) over 16 samples, as 1 micro-batch a step or as 4 of one
+    sample each: one host sync per optimizer step (its loss and grad norm) and one for the step's stats."""
+    counts: list[int] = []
+    _, whole, _ = run_update(micro_batch_size=64, around=counting_syncs(monkeypatch, counts))
+    _, split, _ = run_update(micro_batch_size=1, around=counting_syncs(monkeypatch, counts))
+    assert counts == [4 + 1, 4 + 1]
+    assert split["kl"] == pytest.approx(whole["kl"], abs=1e-7) and split["loss"] == pytest.approx(whole["loss"], rel=1e-5)
+
+
+def test_the_prompt_gradient_builds_up_in_float32_when_the_prompt_states_are_bf16():
+    """Under bf16 autocast on a GPU the shared prompt pass's states come out bf16 (on the CPU the cache keeps
+    them in float32, so they are cast here, inside the graph): their gradient leaves are float32, so the
+    sum over micro-batches rounds once, and the backward through the prompt pass takes it in bf16."""
+    from grpo_cli import passes
+
+    policy = tiny_policy()
+    prompt_ids = torch.tensor([[3, 4, 5, 6], [7, 8, 9, 0]])  # [P, Tp] right-padded
+    prompt_mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]])
+    completion = torch.tensor([[11, 12], [13, 14], [15, 16]])  # [b, Tc]
+    full = passes.prompt_states(policy, prompt_ids, prompt_mask)
+    states = passes.PromptStates([(k.to(torch.bfloat16), v.to(torch.bfloat16)) for k, v in full.kv],
+                                 full.final.to(torch.bfloat16), full.mask)
+    leaves = passes.prompt_leaves(states)
+    assert all(t.dtype == torch.float32 for pair in leaves.kv for t in pair) and leaves.final.dtype == torch.float32
+    for rows in ([0, 1], [2]):  # two micro-batches add into the same leaves
+        logps = passes.completion_logprobs(policy, leaves, torch.tensor([0, 1, 0])[rows], completion[rows],
+                                           torch.ones(len(rows), 2, dtype=torch.long))
+        logps.sum().backward()
+    assert leaves.kv[0][1].grad.dtype == torch.float32 and leaves.kv[0][1].grad.abs().sum() > 0
+    policy.zero_grad()
+    passes.prompt_backward(states, leaves)  # a float32 gradient into bf16 outputs: cast, not refused
+    embed = policy.get_input_embeddings().weight.grad
+    assert embed is not None and embed[[3, 4, 5, 6, 7, 8, 9]].abs().sum() > 0  # the prompts' tokens got their share

@@ -114,8 +114,9 @@ def full_tensors(model: torch.nn.Module, names: Iterable[str] | None = None) -> 
             yield name, (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach()
 
 
-def grad_norm_value(norm: torch.Tensor) -> float:
-    """clip_grad_norm_'s result as a float (a DTensor over sharded gradients)."""
+def grad_norm_tensor(norm: torch.Tensor) -> torch.Tensor:
+    """clip_grad_norm_'s result as a plain tensor on this rank's device (a DTensor over sharded gradients:
+    its full value, a collective every rank runs); reading it as a float is the caller's one sync."""
     from torch.distributed.tensor import DTensor
 
-    return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm

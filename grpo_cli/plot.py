@@ -22,6 +22,21 @@ PLOT_SUFFIXES = (".png", ".pdf", ".svg")
 SMOOTHING = 0.9  # weight of the past in the smoothed line drawn over a noisy per-step series (as trackers do)
 
 
+# (metrics key, legend name, line style, markers): the reward panel's fixed lines
+REWARD_SERIES = [("reward/mean", "train reward (mean)", "-", False), ("eval/pass@1", "held-out pass@1", "--", True),
+                 ("eval/greedy_accuracy", "held-out greedy pass@1", "-.", True)]
+# A tool run's fourth column, top and bottom: (title, series, y label, y on 0..1)
+TOOL_PANELS = [
+    ("tool use: samples that call a tool", [("tools/call_share", "train samples", "-", False),
+                                            ("eval/tools/call_share", "held-out samples", "--", True),
+                                            ("eval/greedy_call_share", "held-out greedy", "-.", True)],
+     "share of samples", True),
+    ("tool calls and turns per sample", [("tools/calls_per_sample", "calls", "-", False),
+                                         ("tools/failed_per_sample", "failed calls", "--", False),
+                                         ("tools/turns_per_sample", "model turns", ":", False)], "per sample", False),
+]
+
+
 def smooth(values: list[float], weight: float = SMOOTHING) -> list[float]:
     """Exponential moving average with the start-up bias removed (TensorBoard's smoothing):
     s_t = (weight * m_{t-1} + (1 - weight) * x_t) / (1 - weight^(t+1)), m the raw average.
@@ -134,8 +149,7 @@ def plot_runs(run_dirs: list[Path], out: Path, labels: list[str] | None = None) 
         else:
             ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes, color="0.5")
 
-    reward_series = [("reward/mean", "train reward (mean)", "-", False), ("eval/pass@1", "held-out pass@1", "--", True),
-                     ("eval/greedy_accuracy", "held-out greedy pass@1", "-.", True)]
+    reward_series = list(REWARD_SERIES)
     if not several:  # each reward function's mean too: a stuck format reward shows here first
         names = dict.fromkeys(k for row in runs[0] for k in row if k.startswith("reward/") and k not in REWARD_STATS)
         reward_series += [(k, k.removeprefix("reward/"), ":", False) for k in names]
@@ -149,14 +163,8 @@ def plot_runs(run_dirs: list[Path], out: Path, labels: list[str] | None = None) 
                 ("groups/all_wrong_frac", "all wrong", "--", False)], "fraction of groups", fraction=True)
     _time_panel(axes[1, 1], runs, labels)
     line_panel(axes[1, 2], "rollout throughput", [("tokens_per_s", "tokens/s", "-", False)], "tokens / s")
-    if tools:
-        line_panel(axes[0, 3], "tool use: samples that call a tool",
-                   [("tools/call_share", "train samples", "-", False),
-                    ("eval/tools/call_share", "held-out samples", "--", True),
-                    ("eval/greedy_call_share", "held-out greedy", "-.", True)], "share of samples", fraction=True)
-        line_panel(axes[1, 3], "tool calls and turns per sample",
-                   [("tools/calls_per_sample", "calls", "-", False), ("tools/failed_per_sample", "failed calls", "--", False),
-                    ("tools/turns_per_sample", "model turns", ":", False)], "per sample")
+    for ax, (panel_title, series, ylabel, fraction) in zip(axes[:, 3] if tools else [], TOOL_PANELS):
+        line_panel(ax, panel_title, series, ylabel, fraction=fraction)
 
     if several:
         fig.legend(handles=[Line2D([], [], color=f"C{r}", linewidth=3, label=label) for r, label in enumerate(labels)],

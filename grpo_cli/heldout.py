@@ -161,7 +161,9 @@ def heldout_metrics(engine: Engine, heldout: HeldoutSet, sampling: Sampling, see
 def pass_at_1_by_calling(segments: list[list[list[dict[str, Any]]]], correct: list[float]) -> dict[str, float]:
     """pass@1 of the samples that call a tool and of those that do not (`segments` [N][k], `correct` [N*k]);
     a side with no sample has no key."""
-    calls = [any(s["role"] == "tool" for s in turns) for group in segments for turns in group]  # [N*k]
+    from grpo_cli.tools.trajectories import calls_a_tool
+
+    calls = [calls_a_tool(turns) for group in segments for turns in group]  # [N*k]
     out = {}
     for key, side in (("tools/pass@1_calling", True), ("tools/pass@1_not_calling", False)):
         values = [c for c, called in zip(correct, calls, strict=True) if called == side]
@@ -186,8 +188,9 @@ def add_greedy_metrics(metrics: dict[str, Any], engine: Engine, heldout: Heldout
     for tier, idx in _tiers(heldout.rows).items():
         metrics["per_tier"][tier]["greedy_accuracy"] = _mean([correct[i] for i in idx])
     if out.segments:
-        metrics["greedy_call_share"] = _mean([float(any(s["role"] == "tool" for s in group[0]))
-                                              for group in out.segments])
+        from grpo_cli.tools.trajectories import tool_metrics
+
+        metrics["greedy_call_share"] = tool_metrics(out)["tools/call_share"]
 
 
 def flatten(metrics: dict[str, Any], prefix: str = "eval/") -> dict[str, float]:

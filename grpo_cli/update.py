@@ -137,19 +137,11 @@ def kl_into_advantages(batch: TrainBatch, groups: Groups, cfg: TrainConfig, dist
     return {"reward/kl_penalty": float(cfg.trainer.kl_coef * penalty.mean())}
 
 
-def merge_token_means(total: dict[str, float], stats: dict[str, float]) -> None:
-    """Add one micro-batch's loss stats (token means, weighted by their `tokens`) into `total` (sums)."""
-    for key, value in stats.items():
-        if key != "tokens":
-            total[key] = total.get(key, 0.0) + value * stats["tokens"]
-    total["tokens"] = total.get("tokens", 0.0) + stats["tokens"]
-
-
 class DeviceSums:
     """The update's running sums, kept on the device in float64 so that the loop never waits for the device
-    inside a step (one read in `update`, at its end): each loss stat x its tokens and the tokens
-    (`merge_token_means` on tensors, in the same order, so the totals are the same floats), and the
-    train/inference mismatch of the first epoch with its token count."""
+    inside a step (one read in `update`, at its end): each loss stat (a token mean) x its tokens and the
+    tokens, added in micro-batch order as the Python sums before them did (so the totals are the same
+    floats), and the train/inference mismatch of the first epoch with its token count."""
 
     def __init__(self) -> None:
         self.names: tuple[str, ...] | None = None

@@ -13,7 +13,7 @@ from grpo_cli.dist import Dist
 from grpo_cli.grpo import LossParams
 from grpo_cli.rewards import RewardFailures, Scores
 from grpo_cli.rollout import Rollouts
-from grpo_cli.update import merge_token_means
+from grpo_cli.update import DeviceSums
 from grpo_cli.watch import NonFiniteGuard
 
 
@@ -93,12 +93,16 @@ def test_minibatches_split_whole_groups_and_truncated_completions_can_leave():
     assert all(int(i) == 0 for mb in second.micro_batches for i in mb.prompt_index)  # local to its minibatch
 
 
-def test_merge_token_means_weights_by_tokens_and_keeps_every_key():
-    total: dict[str, float] = {}
-    merge_token_means(total, {"kl": 0.1, "new_term": 2.0, "tokens": 3.0})
-    merge_token_means(total, {"kl": 0.4, "new_term": 0.0, "tokens": 1.0})
+def test_device_sums_weight_token_means_by_tokens_and_keep_every_key():
+    from grpo_cli.grpo import LossStats
+
+    sums = DeviceSums()
+    sums.add_stats(LossStats(("kl", "new_term", "tokens"), torch.tensor([0.1, 2.0, 3.0])))
+    sums.add_stats(LossStats(("kl", "new_term", "tokens"), torch.tensor([0.4, 0.0, 1.0])))
+    total, mismatch_sum, mismatch_tokens = sums.read()
     assert total["tokens"] == 4.0
     assert total["kl"] / total["tokens"] == pytest.approx(0.175) and total["new_term"] / total["tokens"] == 1.5
+    assert (mismatch_sum, mismatch_tokens) == (0.0, 0.0)  # none added
 
 
 def test_non_finite_guard_warns_then_stops_after_max_bad_steps_in_a_row():

@@ -265,6 +265,11 @@ class ToolEngine(WrappedEngine):
                         capped=[[t.capped for t in group] for group in trajectories], environments=ends)
 
 
+def calls_a_tool(segments: list[dict[str, Any]]) -> bool:
+    """Whether a trajectory (its `segments`) holds a tool call."""
+    return any(s["role"] == "tool" for s in segments)
+
+
 def tool_metrics(rollouts: Rollouts) -> dict[str, float]:
     """Per-sample means of a step's (or held-out set's) trajectories: tool calls (all, per tool that was
     called, failed), the share of samples that call one, model turns, model and environment tokens, and
@@ -279,7 +284,7 @@ def tool_metrics(rollouts: Rollouts) -> dict[str, float]:
     metrics = {
         "tools/calls_per_sample": len(calls) / n,
         "tools/failed_per_sample": sum(not s["ok"] for s in calls) / n,
-        "tools/call_share": sum(any(s["role"] == "tool" for s in segments) for segments, _, _ in samples) / n,
+        "tools/call_share": sum(calls_a_tool(segments) for segments, _, _ in samples) / n,
         "tools/turns_per_sample": sum(sum(s["role"] == "model" for s in segments) for segments, _, _ in samples) / n,
         "tools/model_tokens": sum(sum(mask) for _, mask, _ in samples) / n,
         "tools/env_tokens": sum(len(mask) - sum(mask) for _, mask, _ in samples) / n,

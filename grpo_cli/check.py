@@ -27,16 +27,21 @@ def model_shape(name_or_path: str) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def parameter_count(shape: dict[str, Any]) -> int:
-    """Parameters of a Llama/Qwen2-style decoder from its config: embeddings, attention, MLP, norms, head."""
-    H, L, V = shape["hidden_size"], shape["num_hidden_layers"], shape["vocab_size"]
+def layer_parameter_count(shape: dict[str, Any]) -> int:
+    """Parameters of one decoder layer of a Llama/Qwen2-style model from its config: attention, MLP, norms."""
+    H = shape["hidden_size"]
     inter = shape.get("intermediate_size", 4 * H)
     heads = shape.get("num_attention_heads", 1)
     kv = shape.get("num_key_value_heads", heads) * shape.get("head_dim", H // heads)
     attention = H * H * 2 + H * kv * 2 + (H + 2 * kv if shape.get("model_type") == "qwen2" else 0)  # q, o, k, v (+ bias)
-    layer = attention + 3 * H * inter + 2 * H
+    return attention + 3 * H * inter + 2 * H
+
+
+def parameter_count(shape: dict[str, Any]) -> int:
+    """Parameters of a Llama/Qwen2-style decoder from its config: embeddings, attention, MLP, norms, head."""
+    H, L, V = shape["hidden_size"], shape["num_hidden_layers"], shape["vocab_size"]
     head = 0 if shape.get("tie_word_embeddings", False) else V * H
-    return V * H + L * layer + H + head
+    return V * H + L * layer_parameter_count(shape) + H + head
 
 
 def batch_lines(cfg: TrainConfig, world_size: int) -> list[str]:
@@ -80,15 +85,23 @@ def memory_lines(cfg: TrainConfig, shape: dict[str, Any] | None, world_size: int
     """A rough fp32 estimate: weights, gradients, AdamW's two moments, the reference, one logits chunk."""
     if shape is None:
         return [f"memory: {cfg.model.name_or_path} is not a local model directory; no estimate"]
-    params = parameter_count(shape)
+    params, layer = parameter_count(shape), layer_parameter_count(shape)
     gib = 2 ** 30
-    # grads + 2 Adam moments are sharded over ranks; the weights are gathered whole during the passes (dist/shard.py)
-    train = params * FP32_BYTES * (1 + 3 / world_size)
-    ref = params * FP32_BYTES / world_size if cfg.trainer.kl_coef > 0 else 0  # at rest (gathered for its pass)
+    # weights, grads and 2 Adam moments are sharded over ranks; during a pass a rank also holds what FSDP2 gathers
+    # (dist/shard.py): the root group (embeddings, final norm, head) and 2 layers, or the whole model without
+    # dist.reshard_layers
+    if world_size == 1:
+        gathered, held = 0, "the whole model"
+    elif cfg.dist.reshard_layers:
+        gathered, held = params - shape["num_hidden_layers"] * layer + 2 * layer, "its shard + embeddings + 2 layers"
+    else:
+        gathered, held = params, "its shard + the whole model"
+    train = params * FP32_BYTES * 4 / world_size + gathered * FP32_BYTES
+    ref = (params / world_size + gathered) * FP32_BYTES if cfg.trainer.kl_coef > 0 else 0  # during its pass
     logits = cfg.trainer.logprob_chunk_tokens * shape["vocab_size"] * FP32_BYTES * 3  # logits, softmax, grad
     return [f"memory (fp32, per rank, estimate): {params / 1e6:.1f}M parameters -> policy + grads + AdamW "
-            f"{train / gib:.2f} GiB, reference {ref / gib:.2f} GiB, one logits chunk {logits / gib:.3f} GiB; "
-            "activations and the rollout engine's KV cache come on top"]
+            f"{train / gib:.2f} GiB (weights at their peak: {held}), reference {ref / gib:.2f} GiB, one logits "
+            f"chunk {logits / gib:.3f} GiB; activations and the rollout engine's KV cache come on top"]
 
 
 def correctness_line(cfg: TrainConfig) -> str:

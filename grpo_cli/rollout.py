@@ -450,42 +450,41 @@ class HFEngine:
 
         eos = self.tokenizer.eos_token_id
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos
-        from grpo_cli.dist.shard import gather_all, reshard_all, run_pass
+        from grpo_cli.dist.shard import gathered, run_pass
 
         completion_ids, logprobs, texts, truncated = [], [], [], []
         was_training = self.policy.training
         self.policy.eval()
         device = next(self.policy.parameters()).device
-        gather_all(self.policy)  # sharded (FSDP): gathered once, so ranks with different work need no collective
         # Temperature 0 is greedy (Sampling's contract); transformers' generate refuses temperature=0.
         decoding = {"do_sample": False} if sampling.temperature == 0 else {
             "do_sample": True, "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": 0}
-        for ids, seed in zip(prompt_ids, seeds):
-            torch.manual_seed(seed)
-            input_ids = torch.tensor([ids] * sampling.n, device=device)  # [G, T_prompt]
-            with torch.no_grad(), self.autocast():
-                out = run_pass(self.policy, _generate,
-                    input_ids=input_ids, attention_mask=torch.ones_like(input_ids), **decoding,
-                    max_new_tokens=sampling.max_new_tokens,
-                    eos_token_id=eos, pad_token_id=pad, output_scores=True, return_dict_in_generate=True,
-                )
-            new = out.sequences[:, len(ids):]  # [G, T_new]
-            # the scores are the logits after the temperature (and top_p): the distribution sampled from, as
-            # the vLLM engine reports it and the trainer computes it
-            sampled_from = torch.stack(out.scores, dim=1).float().log_softmax(-1)  # [G, T_new, V]
-            token_lp = sampled_from.gather(-1, new[..., None])[..., 0]  # [G, T_new]
-            group_ids, group_lp, group_text, group_trunc = [], [], [], []
-            for row, row_lp in zip(new.tolist(), token_lp.tolist()):
-                length = row.index(eos) + 1 if eos in row else len(row)
-                group_ids.append(row[:length])
-                group_lp.append(row_lp[:length])
-                group_text.append(self.tokenizer.decode(row[:length], skip_special_tokens=True))
-                group_trunc.append(eos not in row[:length])
-            completion_ids.append(group_ids)
-            logprobs.append(group_lp)
-            texts.append(group_text)
-            truncated.append(group_trunc)
-        reshard_all(self.policy)
+        with gathered(self.policy):  # sharded (FSDP): gathered once, so ranks with different work need no collective
+            for ids, seed in zip(prompt_ids, seeds):
+                torch.manual_seed(seed)
+                input_ids = torch.tensor([ids] * sampling.n, device=device)  # [G, T_prompt]
+                with torch.no_grad(), self.autocast():
+                    out = run_pass(self.policy, _generate,
+                        input_ids=input_ids, attention_mask=torch.ones_like(input_ids), **decoding,
+                        max_new_tokens=sampling.max_new_tokens,
+                        eos_token_id=eos, pad_token_id=pad, output_scores=True, return_dict_in_generate=True,
+                    )
+                new = out.sequences[:, len(ids):]  # [G, T_new]
+                # the scores are the logits after the temperature (and top_p): the distribution sampled from, as
+                # the vLLM engine reports it and the trainer computes it
+                sampled_from = torch.stack(out.scores, dim=1).float().log_softmax(-1)  # [G, T_new, V]
+                token_lp = sampled_from.gather(-1, new[..., None])[..., 0]  # [G, T_new]
+                group_ids, group_lp, group_text, group_trunc = [], [], [], []
+                for row, row_lp in zip(new.tolist(), token_lp.tolist()):
+                    length = row.index(eos) + 1 if eos in row else len(row)
+                    group_ids.append(row[:length])
+                    group_lp.append(row_lp[:length])
+                    group_text.append(self.tokenizer.decode(row[:length], skip_special_tokens=True))
+                    group_trunc.append(eos not in row[:length])
+                completion_ids.append(group_ids)
+                logprobs.append(group_lp)
+                texts.append(group_text)
+                truncated.append(group_trunc)
         self.policy.train(was_training)
         return Rollouts(prompt_ids, completion_ids, logprobs, texts, truncated)
 
@@ -504,17 +503,15 @@ class HFEngine:
     def score(self, sequences: list[list[int]]) -> list[list[float]]:
         import torch
 
-        from grpo_cli.dist.shard import gather_all, reshard_all, run_pass
+        from grpo_cli.dist.shard import gathered, run_pass
 
         device = next(self.policy.parameters()).device
         out = []
-        gather_all(self.policy)
-        with torch.no_grad(), self.autocast():
+        with gathered(self.policy), torch.no_grad(), self.autocast():
             for seq in sequences:
                 logits = run_pass(self.policy, _logits, torch.tensor([seq], device=device))[0, :-1].float()  # [T-1, V]
                 targets = torch.tensor(seq[1:], device=device)[:, None]  # [T-1, 1]
                 out.append(logits.log_softmax(-1).gather(-1, targets)[:, 0].tolist())
-        reshard_all(self.policy)
         return out
 
 
@@ -570,10 +567,10 @@ class ShardedEngine(WrappedEngine):
             if len(mine) else \
             Rollouts([], [], [], [], [])
         if isinstance(self.engine, HFEngine) and not len(mine):
-            from grpo_cli.dist.shard import gather_all, reshard_all
+            from grpo_cli.dist.shard import gathered
 
-            gather_all(self.engine.policy)  # pairs with the other ranks' gather in HFEngine.generate
-            reshard_all(self.engine.policy)
+            with gathered(self.engine.policy):  # pairs with the other ranks' gather in HFEngine.generate
+                pass
         return Rollouts.concat(self.dist.gather(part)[:: self.tp])  # one copy per engine (its TP ranks agree)
 
 

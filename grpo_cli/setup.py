@@ -247,11 +247,12 @@ def start_run(cfg: TrainConfig, task: Task, run_dir: Path, engine: Engine | None
     policy = load_policy(start.path, dist.master_dtype(cfg.model.dtype)).to(dist.device)
     policy.train()
     policy.config.use_cache = False
-    policy = shard_model(policy, dist)  # FSDP2 at world size > 1 (each rank keeps its shard)
+    # FSDP2 at world size > 1 (each rank keeps its shard; on CUDA the gathers carry model.dtype)
+    policy = shard_model(policy, dist, cfg.dist.reshard_layers, cfg.model.dtype)
     reference = None
     if cfg.trainer.kl_coef > 0:  # frozen: stored in the compute dtype itself
         reference = shard_model(load_policy(task.model_path, cfg.model.dtype).to(dist.device).eval()
-                                .requires_grad_(False), dist)
+                                .requires_grad_(False), dist, cfg.dist.reshard_layers)
     from grpo_cli.tools.trajectories import with_tools
 
     tool_loop = lambda e: with_tools(e, task.tools, cfg.rollout)  # noqa: E731 - the engine itself without tools

@@ -69,17 +69,16 @@ def push_check(engine: Engine, policy: torch.nn.Module, sequences: list[list[int
     import torch
 
     from grpo_cli import passes
-    from grpo_cli.dist.shard import reshard_all, run_pass
+    from grpo_cli.dist.shard import gathered, run_pass
 
     engine_lp = engine.score(sequences)
     worst = 0.0
-    with torch.no_grad(), (autocast or contextlib.nullcontext)():
+    with gathered(policy), torch.no_grad(), (autocast or contextlib.nullcontext)():
         for seq, n, elp in zip(sequences, prompt_lens, engine_lp):
             ids = torch.tensor([seq], device=device)  # [1, T]
             trainer_lp = run_pass(policy, passes.token_logprobs_reference, ids, torch.ones_like(ids))[0]  # [T-1]
             diff = (trainer_lp[n - 1:] - torch.tensor(elp[n - 1:], device=device)).abs()  # [T-n] completion tokens
             worst = max(worst, float(diff.mean()) if diff.numel() else 0.0)
-    reshard_all(policy)
     return worst
 
 

@@ -29,6 +29,7 @@ pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "workers" / "partition_update.py"
+sys.path.insert(0, str(WORKER.parent))  # the worker's helpers, imported by the tests that read its job
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # one thread per rank: two ranks share this machine's two cores
 
 
@@ -40,22 +41,29 @@ def assert_same_weights(a: dict, b: dict, rtol: float = 1e-5) -> None:
         assert diff <= rtol * scale, f"{name}: max |diff| {diff:.3g} > {rtol} x {scale:.3g}"
 
 
-def test_the_update_does_not_depend_on_how_the_batch_is_split(tmp_path):
+@pytest.fixture(scope="module")
+def partition_job(tmp_path_factory):
+    """tests/workers/partition_update.py at 2 ranks, once: its outputs' folder."""
+    from partition_update import VARIANTS
+
+    out = tmp_path_factory.mktemp("partition")
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(WORKER), str(out), "3", *VARIANTS], capture_output=True, text=True, timeout=300,
+                          env=ENV, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
+def test_the_update_does_not_depend_on_how_the_batch_is_split(partition_job):
     """For every loss variant: one rank with every sequence in one pass (in this process); two ranks
     (uneven shares, padded passes, one torchrun job for all variants) with 3 per pass; one rank with 1 per
     pass: the same weights (fp32, relative 1e-5), and weights that did move; tool-run trajectories (tokens
     attended but out of the loss) too. The same job checks the loop's collectives on two gloo ranks."""
-    sys.path.insert(0, str(WORKER.parent))
-    try:
-        from partition_update import VARIANTS, tiny, update_once
-    finally:
-        sys.path.pop(0)
+    from partition_update import VARIANTS, tiny, update_once
+
     from grpo_cli.dist import Dist
 
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(WORKER), str(tmp_path), "3", *VARIANTS], capture_output=True, text=True, timeout=300,
-                          env=ENV, cwd=REPO)
-    assert done.returncode == 0, done.stderr[-3000:]
+    tmp_path = partition_job
     collectives = [json.loads((tmp_path / f"collectives_rank{r}.json").read_text()) for r in range(2)]
     assert collectives == [  # every rank gets the same sums, decisions, rank 0's broadcast and every rank's value
         {"rank": r, "world_size": 2, "is_main": r == 0, "sum": [3.0, 1.0], "all": False, "any": True, "broadcast": 0,
@@ -83,6 +91,36 @@ def test_the_update_does_not_depend_on_how_the_batch_is_split(tmp_path):
         assert not torch.equal(masked["weights"][embed], unmasked["weights"][embed])  # the mask changes the update
     finally:
         torch.set_num_threads(threads)
+
+
+def test_layer_by_layer_resharding_holds_a_layer_or_two_and_changes_no_number(partition_job):
+    """The 2-rank job's `reshard_runs` (the same update on a 6-layer model): freeing each layer after its
+    forward and backward, a rank holds at most its shards + the root group + 2 layers (the one running and
+    the one prefetched), where keeping the step gathered holds its shards + the whole model, with bit-identical
+    weights, loss and grad norm. bf16 gathers over fp32 master weights hold half those gathered bytes, keep the
+    shards and updated weights fp32, and land within bf16's round-off of the fp32 update."""
+    from partition_update import reshard_start
+
+    runs = torch.load(partition_job / "reshard.pt")
+    layers, step, bf16 = runs["layers"], runs["step"], runs["layers_bf16"]
+    shard, full, root, layer = (layers[k] for k in ("shard_bytes", "full_model_bytes", "root_bytes", "layer_bytes"))
+    assert shard == full // 2  # 2 ranks, fp32 shards
+    assert layers["peak_param_bytes"] <= shard + root + 2 * layer
+    assert step["peak_param_bytes"] >= shard + full  # the whole model gathered at once
+    assert layers["peak_param_bytes"] < 0.75 * step["peak_param_bytes"]
+    for name, tensor in layers["weights"].items():
+        assert torch.equal(tensor, step["weights"][name]), name
+    assert (layers["loss"], layers["grad_norm"]) == (step["loss"], step["grad_norm"])
+    assert bf16["shard_bytes"] == shard  # fp32 master shards
+    assert bf16["peak_param_bytes"] <= shard + (root + 2 * layer) // 2
+    assert bf16["loss"] == pytest.approx(layers["loss"], rel=2e-2, abs=1e-3)
+    assert bf16["grad_norm"] == pytest.approx(layers["grad_norm"], rel=5e-2)
+    start = reshard_start()
+    lr = 1e-4  # one AdamW step moves a weight by about lr
+    assert max(float((layers["weights"][k] - start[k]).abs().max()) for k in start) > lr / 2
+    for name, tensor in bf16["weights"].items():
+        assert tensor.dtype == torch.float32, name
+        assert float((tensor - layers["weights"][name]).abs().max()) <= 2 * lr, name
 
 
 # ---------------------------------------------------------------------------- grpo train at 2 ranks

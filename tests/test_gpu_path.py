@@ -274,3 +274,47 @@ def test_on_cuda_the_kv_cache_is_sized_explicitly_unless_a_utilization_is_given(
     else:
         assert "kv_cache_memory_bytes" not in seen and seen["gpu_memory_utilization"] == 0.4
     assert "max_num_seqs" not in seen and "block_size" not in seen  # the CPU backend's settings stay on the CPU
+
+
+def test_check_counts_what_a_rank_holds_with_and_without_layer_by_layer_resharding():
+    """`grpo check`'s estimate for a 2-rank run of scripts/bench_reshard.py's 70.8M model: the parameter count is
+    the built model's, and a rank's weights at their peak are its shard + the root group + 2 layers (or + the
+    whole model without dist.reshard_layers), beside sharded gradients and AdamW moments."""
+    import importlib.util
+
+    from grpo_cli.check import layer_parameter_count, memory_lines, parameter_count
+    from grpo_cli.config import DistConfig, RewardSpec, TrainConfig
+
+    spec = importlib.util.spec_from_file_location("bench_reshard", REPO / "scripts" / "bench_reshard.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    with torch.device("meta"):  # shapes only
+        model = bench.random_qwen2(32)
+    shape = model.config.to_dict()
+    params = sum(p.numel() for p in model.parameters())
+    assert parameter_count(shape) == params == 70_824_320
+    layer = layer_parameter_count(shape)
+    root = params - 32 * layer
+    gib = 2**30
+
+    def train_gib(reshard_layers: bool, world_size: int) -> str:
+        cfg = TrainConfig(task="t", rewards=[RewardSpec(name="correct")], dist=DistConfig(reshard_layers=reshard_layers))
+        line = memory_lines(cfg, shape, world_size)[0]
+        return line.split("policy + grads + AdamW ")[1].split(" GiB")[0]
+
+    assert train_gib(True, 1) == f"{params * 16 / gib:.2f}"
+    assert train_gib(True, 2) == f"{(params * 8 + (root + 2 * layer) * 4) / gib:.2f}"
+    assert train_gib(False, 2) == f"{(params * 8 + params * 4) / gib:.2f}"
+
+
+def test_fsdp_gathers_carry_the_compute_dtype_only_over_fp32_master_weights():
+    """On CUDA the trainer keeps fp32 master weights and computes in model.dtype: FSDP2 then gathers bf16 and
+    reduces gradients in fp32. Where the weights are stored in the compute dtype (the CPU, the frozen
+    reference) there is nothing to cast. (The 2-rank job of tests/test_distributed.py runs the bf16 gathers.)"""
+    from grpo_cli.dist import Dist
+    from grpo_cli.dist.shard import mixed_precision
+
+    policy = mixed_precision(Dist(device="cuda").master_dtype("bfloat16"), "bfloat16")
+    assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
+    assert mixed_precision(Dist(device="cpu").master_dtype("float32"), "float32") is None
+    assert mixed_precision("bfloat16", "bfloat16") is None  # the reference, stored in model.dtype

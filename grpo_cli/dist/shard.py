@@ -1,24 +1,35 @@
 """FSDP2 for the policy and the reference at world size > 1, and reading full tensors back out of the shards.
 
 `shard_model` puts each decoder layer in its own FSDP2 group (`fully_shard`), and the body
-with the lm_head in one more (the embedding and lm_head share a tensor when tied, so they
-must be in one group). Two things differ from a stock FSDP2 set-up, both because of how the
-loop calls the model:
+with the lm_head in one more (the root: the embedding and lm_head share a tensor when tied, so
+they must be in one group). What a rank holds (docs/distributed.md, "Memory"):
 
-- The loss reads `lm_head.weight` directly (chunked logprobs, passes.logprobs_from_hidden), and
-  the shared prompt pass runs the body once and backpropagates into it after every
-  micro-batch (passes.prompt_backward). So parameters stay gathered from the first forward of
-  an optimizer step until `reshard_all` after its last backward (reshard_after_forward and
-  reshard_after_backward off). At rest (while the engine generates, in the optimizer step)
-  every parameter, gradient and AdamW moment is sharded.
-- FSDP2 averages gradients over ranks; every rank's loss is already divided by the global
-  normalizer (batch.py), so the ranks' gradients must add up: the divide factor is 1.
+- Layer by layer (`dist.reshard_layers`, the default): a decoder layer's parameters are gathered
+  for its forward and freed after it, and gathered again for its backward, so during the update a
+  rank holds its shard of everything, the root group, and one or two whole layers (the one running
+  and the one prefetched). A model larger than one device trains. The shared prompt pass still works:
+  its keys/values are made inside each layer, but every layer's output also feeds the next layer, so
+  autograd reaches a layer's pre-backward hook (on that output) before any of the layer's own nodes,
+  and FSDP2 gathers the layer before its backward needs it.
+- Without it, parameters stay gathered from the first forward of an optimizer step to `reshard_all`
+  after its last backward: one all-gather per step instead of one per layer and pass, for a model that
+  fits on one device with room to spare.
+
+The root group stays gathered from the first forward to the end of each backward either way: the loss
+reads `lm_head.weight` directly (chunked logprobs, passes.logprobs_from_hidden). At rest (while the
+engine generates, in the optimizer step) every parameter, gradient and AdamW moment is sharded.
+
+FSDP2 averages gradients over ranks; every rank's loss is already divided by the global normalizer
+(batch.py), so the ranks' gradients must add up: the divide factor is 1. On CUDA with fp32 master
+weights and a bf16 `model.dtype`, the gathers carry the compute dtype and the gradient reductions
+stay float32 (`mixed_precision`).
 
 At world size 1 every function here hands the model back as it is.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -40,17 +51,34 @@ class ShardedLM(torch.nn.Module):
     their gradients after the backward) run around the loop's own model calls
     (passes.prompt_states, passes.completion_logprobs), which reach into the body and lm_head."""
 
-    def __init__(self, module: torch.nn.Module) -> None:
+    def __init__(self, module: torch.nn.Module, reshard_layers: bool = True) -> None:
         super().__init__()
         self.module = module
+        self.reshard_layers = reshard_layers  # shard_model's choice, which `gathered` restores
 
     def forward(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return fn(self.module, *args, **kwargs)
 
 
-def shard_model(model: torch.nn.Module, dist: Dist) -> torch.nn.Module:
+def mixed_precision(master_dtype: str, compute_dtype: str) -> Any:
+    """FSDP2's mixed-precision policy: gathers in the compute dtype and float32 gradient reductions where the
+    master weights are float32 and the passes compute in bf16 (on CUDA: Dist.master_dtype); None (gather what is
+    stored) where the weights are stored in the compute dtype itself (the CPU, a frozen reference)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from grpo_cli.checkpoint import torch_dtype
+
+    if master_dtype == compute_dtype:
+        return None
+    return MixedPrecisionPolicy(param_dtype=torch_dtype(compute_dtype), reduce_dtype=torch.float32)
+
+
+def shard_model(model: torch.nn.Module, dist: Dist, reshard_layers: bool = True,
+                compute_dtype: str | None = None) -> torch.nn.Module:
     """`model` at world size 1; else the model in FSDP2 groups (one per decoder layer, the rest in
-    the root) inside a `ShardedLM` root. Call it through `run_pass`."""
+    the root) inside a `ShardedLM` root. Call it through `run_pass`. `reshard_layers` frees each layer's
+    gathered parameters after its forward and backward (see the module's docstring); `compute_dtype`
+    (default: the weights' own dtype) is what the gathers carry."""
     if dist.world_size == 1:
         return model
     import warnings
@@ -65,12 +93,15 @@ def shard_model(model: torch.nn.Module, dist: Dist) -> torch.nn.Module:
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPShardedLM\) returned a view tensor")
     # the mesh on the run's device type: without it FSDP2 picks CUDA whenever CUDA exists (trainer.device=cpu too)
     mesh = init_device_mesh(torch.device(dist.device).type, (dist.world_size,))
+    stored = str(next(model.parameters()).dtype).removeprefix("torch.")
+    policy = mixed_precision(stored, compute_dtype or stored)
+    precision = {"mp_policy": policy} if policy is not None else {}
     body, _ = body_and_head(model)
     for layer in body.layers:
-        fully_shard(layer, mesh=mesh, reshard_after_forward=False)
-    root = fully_shard(ShardedLM(model), mesh=mesh, reshard_after_forward=False)
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_layers, **precision)
+    root = fully_shard(ShardedLM(model, reshard_layers), mesh=mesh, reshard_after_forward=False, **precision)
     for module in fsdp_modules(root):
-        module.set_reshard_after_backward(False)
+        module.set_reshard_after_backward(reshard_layers)
         module.set_force_sum_reduction_for_comms(True)  # plain SUM collectives (gloo has no PREMUL_SUM)
         module.set_gradient_divide_factor(1.0)  # sum the ranks' gradients: each loss has the global normalizer
     return root
@@ -95,11 +126,23 @@ def reshard_all(model: torch.nn.Module) -> None:
         module.reshard()
 
 
-def gather_all(model: torch.nn.Module) -> None:
-    """Gather every group's parameters now (a collective: every rank calls it), so the passes that follow
-    need no communication however many each rank runs (generation, a rank's own probes)."""
-    for module in fsdp_modules(model):
+@contextlib.contextmanager
+def gathered(model: torch.nn.Module) -> Iterator[None]:
+    """Every group's parameters gathered for the block (a collective: every rank enters it) and kept gathered
+    across its passes, then back to shards: passes that differ in number between ranks (generation, a rank's
+    own probes) need no communication. Costs the whole model on each rank while it lasts."""
+    modules = fsdp_modules(model)
+    layers = [m for m in modules if m is not model]
+    for module in layers:
+        module.set_reshard_after_forward(False, recurse=False)
+    for module in modules:
         module.unshard()
+    try:
+        yield
+    finally:
+        for module in layers:
+            module.set_reshard_after_forward(model.reshard_layers, recurse=False)
+        reshard_all(model)
 
 
 def full_tensors(model: torch.nn.Module, names: Iterable[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:

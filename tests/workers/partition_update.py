@@ -5,7 +5,8 @@ argv[3:] the variants (VARIANTS' keys).
 
 Used by tests/test_distributed.py: 1 rank (in the test's own process, `update_once`), 2 ranks and
 different micro-batch caps must give the same weights (the loss and gradient do not depend on how
-the batch is split), tool-run trajectories with tokens out of the loss included."""
+the batch is split), tool-run trajectories with tokens out of the loss included. The same job saves
+`reshard_runs` to argv[1]/reshard.pt: what a rank holds with and without layer-by-layer resharding."""
 
 import json
 import sys
@@ -88,6 +89,35 @@ def update_once(micro_batch_size: int, variant: str, dist: Dist) -> dict:
     return {"weights": weights, "stats": stats, "passes": len(batch.micro_batches)}
 
 
+def bench_reshard():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_reshard", Path(__file__).parents[2] / "scripts" / "bench_reshard.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+def reshard_model():
+    """The 6-layer random Qwen2 of `reshard_runs` (the same weights at every call)."""
+    return bench_reshard().random_qwen2(6, hidden=128, vocab=256)
+
+
+def reshard_start() -> dict:
+    """`reshard_model`'s weights before the update, by the names `full_tensors` gives."""
+    return {name: t.detach().clone() for name, t in reshard_model().state_dict().items()}
+
+
+def reshard_runs(dist: Dist) -> dict:
+    """scripts/bench_reshard.py's update on `reshard_model`: layer by layer, gathered through the step, and layer
+    by layer with bf16 gathers over fp32 master weights (as on CUDA); the peaks, sizes, stats and weights."""
+    bench = bench_reshard()
+    build = reshard_model
+    groups = bench.synthetic_batch(4, 4, 12, 12, vocab=256)
+    modes = {"layers": (True, None), "step": (False, None), "layers_bf16": (True, "bfloat16")}
+    return {name: bench.update_once(build, layers, groups, dist, dtype) for name, (layers, dtype) in modes.items()}
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
     ranks = Dist.init("cpu")
@@ -95,6 +125,9 @@ if __name__ == "__main__":
         result = update_once(int(sys.argv[2]), name, ranks)
         if ranks.is_main:
             torch.save(result, Path(sys.argv[1]) / f"{name}.pt")
+    reshard = reshard_runs(ranks)
+    if ranks.is_main:
+        torch.save(reshard, Path(sys.argv[1]) / "reshard.pt")
     # The loop's own collectives (dist.Dist), as each rank sees them
     seen = {"rank": ranks.rank, "world_size": ranks.world_size, "is_main": ranks.is_main,
             "sum": ranks.sum([float(ranks.rank + 1), 0.5]), "all": ranks.all(ranks.rank == 0),

@@ -293,10 +293,7 @@ class DistConfig:
     node_rank: int = 0  # this node's index, 0..nnodes-1 (multi-node only)
     rdzv_endpoint: str = "127.0.0.1:29500"  # host:port of node 0, where the nodes meet (multi-node only)
     timeout_s: int = 600  # a collective that waits longer than this fails the job (a rank died or hangs)
-    # FSDP2 frees each decoder layer's gathered parameters after its forward and backward, so a rank holds its
-    # shard plus a layer or two (a model larger than one device trains); false keeps the whole model gathered
-    # through each optimizer step (fewer all-gathers, for a model that fits). The same numbers either way.
-    reshard_layers: bool = True
+    reshard_layers: bool = True  # FSDP2 frees each layer's gathered parameters after its forward and backward (a rank holds its shard + a layer or two: a model larger than one device trains); false keeps the model gathered through each optimizer step (fewer all-gathers); the same numbers either way
 
     def __post_init__(self) -> None:
         _require(self.nproc_per_node >= 1, "dist.nproc_per_node", "must be >= 1")

@@ -66,11 +66,9 @@ def mixed_precision(master_dtype: str, compute_dtype: str) -> Any:
     stored) where the weights are stored in the compute dtype itself (the CPU, a frozen reference)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from grpo_cli.checkpoint import torch_dtype
-
     if master_dtype == compute_dtype:
         return None
-    return MixedPrecisionPolicy(param_dtype=torch_dtype(compute_dtype), reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy(param_dtype=getattr(torch, compute_dtype), reduce_dtype=torch.float32)
 
 
 def shard_model(model: torch.nn.Module, dist: Dist, reshard_layers: bool = True,

@@ -81,10 +81,24 @@ def tool_lines(cfg: TrainConfig) -> list[str]:
             "tokens after the prompt (rollout.max_trajectory_tokens); tool replies are attended but leave the loss"]
 
 
+def adapter_parameter_count(shape: dict[str, Any], rank: int, targets: list[str]) -> int:
+    """Parameters of rank-`rank` LoRA adapters (A: r x in, B: out x r) on `targets` in every decoder layer."""
+    H, L = shape["hidden_size"], shape["num_hidden_layers"]
+    heads = shape.get("num_attention_heads", 1)
+    head_dim = shape.get("head_dim", H // heads)
+    q, kv, inter = heads * head_dim, shape.get("num_key_value_heads", heads) * head_dim, shape.get("intermediate_size", 4 * H)
+    dims = {"q_proj": (H, q), "k_proj": (H, kv), "v_proj": (H, kv), "o_proj": (q, H), "gate_proj": (H, inter),
+            "up_proj": (H, inter), "down_proj": (inter, H)}  # (in, out) of each linear layer
+    return L * sum(rank * (dims[t][0] + dims[t][1]) for t in targets if t in dims)
+
+
 def memory_lines(cfg: TrainConfig, shape: dict[str, Any] | None, world_size: int) -> list[str]:
-    """A rough fp32 estimate: weights, gradients, AdamW's two moments, the reference, one logits chunk."""
+    """A rough estimate: weights, gradients, AdamW's two moments, the reference, one logits chunk (fp32; with
+    LoRA the frozen base in model.dtype and the adapters with their gradients and moments in fp32)."""
     if shape is None:
         return [f"memory: {cfg.model.name_or_path} is not a local model directory; no estimate"]
+    if cfg.model.lora.enabled:
+        return [lora_memory_line(cfg, shape, world_size)]
     params, layer = parameter_count(shape), layer_parameter_count(shape)
     gib = 2 ** 30
     # weights, grads and 2 Adam moments are sharded over ranks; during a pass a rank also holds what FSDP2 gathers
@@ -102,6 +116,23 @@ def memory_lines(cfg: TrainConfig, shape: dict[str, Any] | None, world_size: int
     return [f"memory (fp32, per rank, estimate): {params / 1e6:.1f}M parameters -> policy + grads + AdamW "
             f"{train / gib:.2f} GiB (weights at their peak: {held}), reference {ref / gib:.2f} GiB, one logits "
             f"chunk {logits / gib:.3f} GiB; activations and the rollout engine's KV cache come on top"]
+
+
+def lora_memory_line(cfg: TrainConfig, shape: dict[str, Any], world_size: int) -> str:
+    """With LoRA: the base once, frozen, in model.dtype (sharded, plus what FSDP2 gathers: the root group and 2
+    layers), the adapters with fp32 gradients and AdamW moments; no reference copy (the adapters turned off)."""
+    lora, gib = cfg.model.lora, 2**30
+    params, layer = parameter_count(shape), layer_parameter_count(shape)
+    adapters = adapter_parameter_count(shape, lora.rank, lora.target_modules)
+    base_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[cfg.model.dtype]
+    gathered = 0 if world_size == 1 else params - shape["num_hidden_layers"] * layer + 2 * layer
+    base = (params / world_size + gathered) * base_bytes
+    trained = adapters * FP32_BYTES * 4 / world_size  # weights, gradients, 2 AdamW moments
+    logits = cfg.trainer.logprob_chunk_tokens * shape["vocab_size"] * FP32_BYTES * 3
+    return (f"memory (LoRA, per rank, estimate): {params / 1e6:.1f}M base parameters in {cfg.model.dtype} "
+            f"{base / gib:.2f} GiB, {adapters / 1e6:.2f}M adapter parameters + grads + AdamW (fp32) "
+            f"{trained / gib:.3f} GiB, reference 0 GiB (the base with the adapters off), one logits chunk "
+            f"{logits / gib:.3f} GiB; activations and the rollout engine's weights and KV cache come on top")
 
 
 def correctness_line(cfg: TrainConfig) -> str:

@@ -142,7 +142,8 @@ STEP_PREFIX = "step_"  # periodic checkpoints are checkpoints/step_000010, ...
 def save_checkpoint(model: torch.nn.Module, tokenizer: Any, path: Path, info: dict[str, Any],
                     trainer_state: dict[str, Any] | None = None, optimizer: torch.optim.Optimizer | None = None,
                     dist: Dist | None = None) -> Path:
-    """Write model (safetensors) + tokenizer + config to `path` atomically; returns `path`.
+    """Write model (safetensors) + tokenizer + config to `path` atomically; returns `path`. A LoRA policy
+    writes its adapters in peft's format (adapter_model.safetensors, adapter_config.json), not the base.
 
     The files go to `path.tmp-PID` first; the marker file is written last, then the
     directory is renamed into place. A crash mid-save leaves at most a `.tmp-*`
@@ -166,7 +167,9 @@ def save_checkpoint(model: torch.nn.Module, tokenizer: Any, path: Path, info: di
     if world > 1:
         dist.barrier()
         tied = tied_duplicates(unwrap(model))  # lm_head.weight when tied: written once, as save_pretrained does
-        weights = {name: tensor.cpu() for name, tensor in full_tensors(model) if main and name not in tied}
+        peft = hasattr(unwrap(model), "peft_config")  # a LoRA policy (lora.is_adapter_model): its adapters alone
+        names = [name for name, _ in _named_params(model)] if peft else None
+        weights = {name: tensor.cpu() for name, tensor in full_tensors(model, names) if main and name not in tied}
         if main:
             unwrap(model).save_pretrained(tmp, state_dict=weights, safe_serialization=True)
         del weights
@@ -207,10 +210,10 @@ def tied_duplicates(model: torch.nn.Module) -> set[str]:
 
 
 def _named_params(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
-    """The trainable parameters by their Hugging Face name (the same at any world size)."""
+    """The trainable parameters by their Hugging Face name (the same at any world size); with LoRA the adapters."""
     from grpo_cli.dist.shard import unwrap
 
-    return list(unwrap(model).named_parameters())
+    return [(name, p) for name, p in unwrap(model).named_parameters() if p.requires_grad]
 
 
 def save_optimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module, path: Path) -> None:

@@ -53,6 +53,8 @@ COMMANDS: dict[str, Command] = {
     "reward": Command("score hand-written completions with a recipe's rewards", "grpo_cli.rewards.cases:run_cases", False),
     "export": Command("write a recipe's generated problems to JSONL", "grpo_cli.data:run_export", False),
     "plot": Command("plot a run's metrics to a PNG", "grpo_cli.plot:run_plot", False, needs_recipe=False),
+    "merge": Command("merge a LoRA checkpoint's adapters into its base model (one model directory)",
+                     "grpo_cli.lora:run_merge", False, needs_recipe=False),
 }
 
 # A run directory's name: timestamp + pid + random bits, fixed once per process, so

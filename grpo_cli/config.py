@@ -36,11 +36,39 @@ def _require(ok: bool, key: str, message: str) -> None:
         raise ConfigError(f"{key}: {message}")
 
 
+# The linear layers of a Llama/Qwen2-style decoder layer: attention and MLP (docs/lora.md).
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@dataclass
+class LoraConfig:
+    """LoRA adapters (docs/lora.md): the base weights stay frozen, low-rank updates on `target_modules` train."""
+
+    rank: int | None = None  # the adapters' rank r; None = no LoRA (every weight trains), e.g. 16
+    alpha: float = 32.0  # the adapters' output is scaled by alpha / rank (peft's lora_alpha)
+    dropout: float = 0.0  # dropout on each adapter's input while training; > 0 makes the trainer's logprobs noisier than the engine's
+    target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))  # module names (last part) that get an adapter
+    lr: float | None = None  # the adapters' AdamW learning rate (LoRA wants ~10x full fine-tuning's); None = trainer.lr
+
+    def __post_init__(self) -> None:
+        _require(self.rank is None or self.rank >= 1, "model.lora.rank",
+                 f"is {self.rank}; it must be >= 1 (or null, the default, to train every weight)")
+        _require(self.alpha > 0, "model.lora.alpha", "must be > 0")
+        _require(0 <= self.dropout < 1, "model.lora.dropout", "must be in [0, 1)")
+        _require(bool(self.target_modules), "model.lora.target_modules", "is empty; name at least one module")
+        _require(self.lr is None or self.lr > 0, "model.lora.lr", "must be > 0 (or null: trainer.lr)")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank is not None
+
+
 @dataclass
 class ModelConfig:
     name_or_path: str = BUILTIN_MODEL  # local HF directory, hub id, or "builtin:NAME" for a model shipped in grpo_cli/models
     dtype: str = "float32"  # compute dtype: float32 | bfloat16 | float16; on CUDA the trainer keeps fp32 master weights and autocasts
     max_context_tokens: int | None = None  # cap on prompt+completion tokens; None = the model's max_position_embeddings
+    lora: LoraConfig = field(default_factory=LoraConfig)  # train LoRA adapters instead of every weight (model.lora.rank=16)
 
     def __post_init__(self) -> None:
         _require(self.dtype in ("float32", "bfloat16", "float16"), "model.dtype",
@@ -112,6 +140,7 @@ class RolloutConfig:
     push_check_tol: float = 1e-3  # max mean |logprob difference| before the run stops with a stale-weights error (>= 0.02 in bf16/fp16)
     sleep_mode: str = "auto"  # vLLM sleep mode: "auto" (on when vLLM shares a CUDA device with the trainer) | "on" | "off"
     sleep_level: int = 1  # 1: vLLM's weights go to host memory and its KV cache is dropped while the trainer steps; 2: both dropped
+    lora_push: str = "auto"  # model.lora: "adapter" (vLLM serves the base and takes the adapters as a LoRA request) | "merged" (the base with the adapters merged in, pushed whole) | "auto": adapter on CUDA, merged on the CPU (docs/lora.md)
     dynamic_sampling: bool = False  # DAPO: sample more prompts until prompts_per_step groups have reward variance
     max_sampling_rounds: int = 4  # dynamic sampling: at most this many rounds of prompts_per_step prompts a step
     tensor_parallel_size: int = 1  # consecutive ranks that share one vLLM engine (tensor parallel); 1 = an engine per rank
@@ -143,6 +172,8 @@ class RolloutConfig:
         _require(self.tensor_parallel_size == 1 or self.engine == "vllm", "rollout.tensor_parallel_size",
                  "splits a vLLM engine; rollout.engine=hf runs one per rank (set it to 1)")
         _require(self.max_sampling_rounds >= 1, "rollout.max_sampling_rounds", "must be >= 1")
+        _require(self.lora_push in ("auto", "adapter", "merged"), "rollout.lora_push",
+                 f"'{self.lora_push}' is not one of auto, adapter, merged")
         _require(self.sleep_mode in ("auto", "on", "off"), "rollout.sleep_mode",
                  f"'{self.sleep_mode}' is not one of auto, on, off")
         _require(self.sleep_level in (1, 2), "rollout.sleep_level", f"is {self.sleep_level}; vLLM has levels 1 and 2")
@@ -403,6 +434,16 @@ class EvalCommandConfig(TrainConfig):
 
 
 @dataclass
+class MergeCommandConfig:
+    """`grpo merge`: a LoRA checkpoint's adapters merged into its base model, written as one whole Hugging Face
+    model directory (needs no recipe)."""
+
+    checkpoint: str = MISSING  # a LoRA checkpoint: adapter_config.json + adapter_model.safetensors (e.g. RUN_DIR/checkpoints/final)
+    out: str = MISSING  # the directory to write: config.json, model.safetensors and the tokenizer
+    base: str | None = None  # the base model; None = the one its checkpoint.json names (a run's base_model)
+
+
+@dataclass
 class PlotCommandConfig:
     """`grpo plot`: draw one run's metrics.jsonl, or several runs overlaid, into one PNG (needs no recipe)."""
 
@@ -419,4 +460,5 @@ COMMAND_SCHEMAS: dict[str, Any] = {
     "export": ExportCommandConfig,
     "eval": EvalCommandConfig,
     "plot": PlotCommandConfig,
+    "merge": MergeCommandConfig,
 }

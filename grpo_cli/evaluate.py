@@ -34,6 +34,7 @@ Output, written only after every checkpoint is evaluated (nothing on failure):
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -41,7 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from grpo_cli import runs
-from grpo_cli.config import EvalCommandConfig
+from grpo_cli.config import EvalCommandConfig, ModelConfig
 from grpo_cli.errors import UsageError
 from grpo_cli.rewards import WeightedReward, load_rewards, validate_columns
 
@@ -57,14 +58,25 @@ ARCH_KEYS = ("architectures", "model_type", "vocab_size", "hidden_size", "interm
 def check_compatible(targets: list[runs.Target]) -> None:
     """Every checkpoint's architecture (config.json) matches the first's, whose engine they share."""
     first = targets[0]
-    reference = json.loads((first.path / "config.json").read_text())
+    reference = json.loads((first.model_dir / "config.json").read_text())
     for target in targets[1:]:
-        config = json.loads((target.path / "config.json").read_text())
+        config = json.loads((target.model_dir / "config.json").read_text())
         for key in ARCH_KEYS:
             if config.get(key) != reference.get(key):
                 raise UsageError(f"'{target.name}' does not fit the engine started on '{first.name}': config.json "
                                  f"{key} is {config.get(key)!r}, not {reference.get(key)!r}; checkpoints compared "
                                  "in one call must share the architecture and tokenizer (evaluate it separately)")
+
+
+def engine_model(model: ModelConfig, targets: list[runs.Target]) -> ModelConfig:
+    """The engine's model settings: LoRA serving on when some checkpoint is an adapter, at the largest rank of
+    those adapters (a recipe without model.lora still evaluates a LoRA run's checkpoints)."""
+    from grpo_cli.lora import adapter_rank
+
+    ranks = [adapter_rank(t.path) for t in targets if t.base is not None]
+    if not ranks:
+        return model
+    return dataclasses.replace(model, lora=dataclasses.replace(model.lora, rank=max(ranks)))
 
 
 def check_tokenizers(targets: list[runs.Target], tokenizer: Any) -> None:
@@ -160,6 +172,7 @@ def evaluate_targets(cfg: EvalCommandConfig, targets: list[runs.Target], rows: l
     from grpo_cli import rollout
     from grpo_cli.checkpoint import checkpoint_weights, load_tokenizer
     from grpo_cli.heldout import HeldoutSet, add_greedy_metrics, heldout_metrics
+    from grpo_cli.lora import merged_checkpoint_tensors
     from grpo_cli.prompts import render_row
     from grpo_cli.rollout import Sampling, sample_seeds
     from grpo_cli.runtime import cpu_threads, set_threads
@@ -183,17 +196,24 @@ def evaluate_targets(cfg: EvalCommandConfig, targets: list[runs.Target], rows: l
     seeds = sample_seeds(cfg.trainer.seed, 0, len(rows), stream=1)  # the run's step-0 held-out seeds
     print(f"grpo eval: {cfg.task} | {len(rows)} held-out problems x {k} samples at T={cfg.eval.temperature:g} | "
           f"{len(targets)} checkpoint(s)" + (f" | recipe of run {the_run}" if the_run else ""), flush=True)
-    pushed = engine is not None  # a given engine takes every checkpoint's weights, the first's too
+    holds = None if engine is not None else targets[0].model_dir  # the whole model in the engine (a given one: unknown)
     if engine is None:
-        print(f"grpo eval: starting the vLLM engine on {targets[0].path}", flush=True)
-        engine = rollout.VLLMEngine(str(targets[0].path), cfg.model, cfg.rollout, cfg.trainer.seed,
+        print(f"grpo eval: starting the vLLM engine on {holds}", flush=True)
+        engine = rollout.VLLMEngine(str(holds), engine_model(cfg.model, targets), cfg.rollout, cfg.trainer.seed,
                                     show_progress=cfg.logging.verbose_libraries)
     engine = with_tools(engine, tools, cfg.rollout)
     results, all_samples = [], []
     for i, target in enumerate(targets):
         tick = time.time()
-        if i > 0 or pushed:
-            engine.push_weights(checkpoint_weights(target.path).items())
+        if target.base is not None and engine.adapters == "merged":  # this engine serves no LoRA
+            engine.push_weights(merged_checkpoint_tensors(target.base, target.path))
+            holds = None
+        else:
+            if target.model_dir != holds:
+                engine.push_weights(checkpoint_weights(target.model_dir).items())
+                holds = target.model_dir
+            if engine.adapters == "request":  # an adapter checkpoint's adapter, or none for a whole model
+                engine.load_adapter(target.path if target.base is not None else None)
         samples: list[dict[str, Any]] | None = [] if keep_samples else None
         metrics = heldout_metrics(engine, heldout, sampling, seeds, samples=samples,
                                   max_tokens=cfg.rollout.trajectory_tokens)

@@ -39,19 +39,22 @@ LR_SCHEDULES = {"constant": constant_lr, "linear": linear_lr, "cosine": cosine_l
 
 
 def param_groups(model: torch.nn.Module, lr: float, norm_lr_scale: float) -> list[dict[str, Any]]:
-    """AdamW groups: normalization gains (1-D weights named *norm*) at `lr * norm_lr_scale`, the rest at `lr`.
+    """AdamW groups of the trainable parameters: normalization gains (1-D weights named *norm*) at
+    `lr * norm_lr_scale`, the rest at `lr`.
 
     Why: Adam moves every weight by about lr a step, whatever its gradient's size. A
     norm gain of ~1 that has to change by ~50% (e.g. to sharpen the output distribution,
     as the final norm sets the logits' scale) then needs thousands of steps at a learning
     rate that is safe for the matrices.
     """
+    trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]  # with LoRA: the adapters
     if norm_lr_scale == 1.0:
-        return [{"params": list(model.parameters()), "lr": lr}]  # one group: trainer states stay as before
+        return [{"params": [p for _, p in trainable], "lr": lr}]  # one group: trainer states stay as before
     norms, rest = [], []
-    for name, param in model.named_parameters():
+    for name, param in trainable:
         (norms if param.ndim == 1 and "norm" in name.lower() else rest).append(param)
-    return [{"params": rest, "lr": lr}, {"params": norms, "lr": lr * norm_lr_scale}]
+    groups = [{"params": rest, "lr": lr}, {"params": norms, "lr": lr * norm_lr_scale}]
+    return [group for group in groups if group["params"]]  # LoRA trains no norm
 
 
 def build_optimizer(model: torch.nn.Module, cfg: TrainerConfig, schedule_steps: int | None = None

@@ -132,7 +132,14 @@ class Engine(Protocol):
         """[P][G] samples of the P prompts, prompt i from seeds[i]. `rows`: the prompts' dataset rows, which a
         tool run's environment is built from (an engine without one ignores them)."""
 
+    # How a LoRA policy's adapters reach the engine (sync.push): "request" (push_adapter: vLLM serves the base
+    # and applies the adapters per request), "merged" (push_weights with the adapters merged in), "shared"
+    # (the engine samples from the policy module itself)
+    adapters: str
+
     def push_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None: ...
+
+    def push_adapter(self, tensors: dict[str, Any], config: dict[str, Any]) -> None: ...
 
     def score(self, sequences: list[list[int]]) -> list[list[float]]: ...
 
@@ -222,6 +229,25 @@ def cuda_engine_memory(model_path: str, dtype: str, kv_cache_gib: float) -> dict
             "gpu_memory_utilization": engine_utilization(weight_bytes(model_path, dtype), kv_cache, free, total)}
 
 
+def lora_requests_wanted(rollout: RolloutConfig, on_cpu: bool) -> bool:
+    """rollout.lora_push: "auto" serves the adapters as LoRA requests on CUDA and pushes merged weights on the
+    CPU, where vLLM's LoRA kernels made the shipped model's generation 3.8x slower (docs/lora.md)."""
+    return {"adapter": True, "merged": False, "auto": not on_cpu}[rollout.lora_push]
+
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM 0.32 accepts
+
+
+def vllm_lora_rank(rank: int) -> int:
+    """The smallest max_lora_rank vLLM accepts that holds adapters of `rank`."""
+    fits = [r for r in VLLM_LORA_RANKS if r >= rank]
+    if not fits:
+        from grpo_cli.errors import UsageError
+
+        raise UsageError(f"model.lora.rank: {rank} is above vLLM's largest LoRA rank, {VLLM_LORA_RANKS[-1]}")
+    return fits[0]
+
+
 def prefill_waves(prompt_lens: list[int], n: int, token_budget: int, seq_budget: int) -> list[list[int]]:
     """Split request indices into consecutive waves; each wave's prompts x n fit both budgets."""
     waves: list[list[int]] = [[]]
@@ -297,7 +323,32 @@ class VLLMEngine:
         if world_size > 1:  # engines inside the torchrun ranks, on the job's process group (docs/design.md)
             kwargs["distributed_executor_backend"] = "external_launcher"
             kwargs["tensor_parallel_size"] = rollout.tensor_parallel_size  # consecutive ranks share one engine
-        self.llm = LLM(
+        # LoRA (docs/lora.md): the engine serves the base weights and applies the policy's adapters per request;
+        # one adapter at a time, two held for the moment a push replaces one
+        self.adapters, self.lora_request, self.adapter_dirs = "merged", None, None
+        if model.lora.enabled and lora_requests_wanted(rollout, self.on_cpu):
+            kwargs.update(enable_lora=True, max_lora_rank=vllm_lora_rank(model.lora.rank), max_loras=1,
+                          max_cpu_loras=2)
+            self.adapters = "request"
+        try:
+            self.llm = self._start(LLM, model_path, model, seed, show_progress, kwargs)
+        except ValueError as e:  # "Qwen3NextForCausalLM does not support LoRA yet.": push merged weights instead
+            if "does not support LoRA" not in str(e):
+                raise
+            import logging
+
+            logging.getLogger("grpo_cli.rollout").warning(f"vLLM: {e}; pushing the merged weights instead")
+            kwargs = {k: v for k, v in kwargs.items() if k not in ("enable_lora", "max_lora_rank", "max_loras",
+                                                                    "max_cpu_loras")}
+            self.adapters = "merged"
+            self.llm = self._start(LLM, model_path, model, seed, show_progress, kwargs)
+        self.tokenizer = self.llm.get_tokenizer()
+        self.request_ids = itertools.count()  # generate_each's request ids
+
+    @staticmethod
+    def _start(LLM: Any, model_path: str, model: ModelConfig, seed: int, show_progress: bool,
+               kwargs: dict[str, Any]) -> Any:
+        return LLM(
             model=model_path,
             dtype=model.dtype,
             seed=seed,
@@ -312,8 +363,6 @@ class VLLMEngine:
             use_tqdm_on_load=show_progress,  # its weight-loading bar ignores TQDM_DISABLE
             **kwargs,
         )
-        self.tokenizer = self.llm.get_tokenizer()
-        self.request_ids = itertools.count()  # generate_each's request ids
 
     def generate(self, prompt_ids: list[list[int]], sampling: Sampling, seeds: list[int],
                  rows: list[dict] | None = None) -> Rollouts:
@@ -326,7 +375,7 @@ class VLLMEngine:
         outputs = []
         for wave in waves:
             outputs += self.llm.generate([{"prompt_token_ids": prompt_ids[i]} for i in wave],
-                                         [params[i] for i in wave], use_tqdm=False)
+                                         [params[i] for i in wave], use_tqdm=False, lora_request=self.lora_request)
         completion_ids, logprobs, truncated = [], [], []
         for out in outputs:
             samples = sorted(out.outputs, key=lambda c: c.index)  # [G]
@@ -356,7 +405,8 @@ class VLLMEngine:
                 params.output_kind = RequestOutputKind.FINAL_ONLY  # as LLM.generate sets it
                 request_id = f"grpo-each-{next(self.request_ids)}"
                 keys[request_id] = request.key
-                internal_id = engine.add_request(request_id, {"prompt_token_ids": request.prompt_ids}, params)
+                internal_id = engine.add_request(request_id, {"prompt_token_ids": request.prompt_ids}, params,
+                                                 lora_request=self.lora_request)
                 if params.stop:  # stop strings need the detokenizer, which then also decodes each sampled logprob's
                     # token (a third of a tool step's engine time on CPU); only the ids are read, so drop that
                     state = engine.output_processor.request_states.get(internal_id)
@@ -388,6 +438,21 @@ class VLLMEngine:
 
         return self.llm.collective_rpc(read)[0]
 
+    def read_adapter(self, modules: Iterable[str]) -> dict[str, tuple[Any, Any]]:
+        """Copies of the served adapter's (A, B) for `modules` (vLLM names, e.g. model.layers.0.self_attn.o_proj) as
+        the engine holds them (B scaled by alpha/r), for the push check's exact comparison; {} without an adapter.
+        Reads vLLM 0.32's LoRA manager; modules it packs together (q/k/v, gate/up) are not shown."""
+        if self.lora_request is None:
+            return {}
+        wanted, lora_id = list(modules), self.lora_request.lora_int_id
+
+        def read(worker: Any) -> dict[str, tuple[Any, Any]]:
+            served = worker.model_runner.lora_manager._adapter_manager._registered_adapters[lora_id].loras
+            return {m: (served[m].lora_a.detach().to("cpu", copy=True), served[m].lora_b.detach().to("cpu", copy=True))
+                    for m in wanted if m in served and not isinstance(served[m].lora_a, list)}
+
+        return self.llm.collective_rpc(read)[0]
+
     def push_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
         """Load the trainer's current weights into the engine, in place, then drop stale KV blocks.
 
@@ -402,6 +467,53 @@ class VLLMEngine:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors),
                                                               "is_checkpoint_format": True})
         if not self.sleeping:  # a sleeping KV cache is reset when it wakes (wake_kv_cache)
+            self.llm.reset_prefix_cache()
+
+    def push_adapter(self, tensors: dict[str, Any], config: dict[str, Any]) -> None:
+        """The policy's LoRA adapters (peft's tensors and config) as the engine's adapter from now on, from memory:
+        vLLM 0.32 loads an adapter from a directory only (a LoRARequest carries a path), so its worker is handed
+        the tensors through vLLM's own add path with the file-reading step replaced (`register_adapter`); a
+        vLLM without that step gets them written to a directory instead (docs/lora.md: what each costs)."""
+        from vllm.lora.request import LoRARequest
+
+        version = (self.lora_request.lora_int_id + 1) if self.lora_request is not None else 1
+        request = LoRARequest(f"policy-v{version}", version, IN_MEMORY_ADAPTER)  # a new id: nothing cached is reused
+        # copies: vLLM scales its B matrices in place (LoRALayerWeights.optimize), which would scale the trainer's
+        tensors = {name: t.to("cpu", copy=True) for name, t in tensors.items()}
+        if all(self.llm.collective_rpc(register_adapter, args=(request, tensors, config))):
+            self._serve(request)
+            return
+        import tempfile
+
+        from grpo_cli.lora import write_adapter
+
+        if self.adapter_dirs is None:  # removed with the engine's process
+            self.adapter_dirs = tempfile.TemporaryDirectory(prefix="grpo-adapters-")
+        self.load_adapter(write_adapter(tensors, config, Path(self.adapter_dirs.name) / f"v{version}"))
+
+    def load_adapter(self, directory: str | Path | None) -> None:
+        """Serve the peft adapter saved in `directory` from now on (None: the base model alone). It loads now, so
+        a push pays for it and the next generate does not."""
+        from vllm.lora.request import LoRARequest
+
+        request = None
+        if directory is not None:
+            version = (self.lora_request.lora_int_id + 1) if self.lora_request is not None else 1
+            request = LoRARequest(f"policy-v{version}", version, str(directory))
+            self.llm.llm_engine.add_lora(request)
+        self._serve(request)
+
+    def _serve(self, request: Any) -> None:
+        """`request`'s adapter (loaded already) serves every next generate and score; the previous one, and the
+        files of a previous push, go."""
+        import shutil
+
+        previous, self.lora_request = self.lora_request, request
+        if previous is not None:
+            self.llm.llm_engine.remove_lora(previous.lora_int_id)
+            if self.adapter_dirs is not None and Path(previous.lora_path).parent == Path(self.adapter_dirs.name):
+                shutil.rmtree(previous.lora_path, ignore_errors=True)
+        if not self.sleeping:
             self.llm.reset_prefix_cache()
 
     def sleep(self) -> None:
@@ -428,7 +540,8 @@ class VLLMEngine:
         from vllm import SamplingParams
 
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
-        outputs = self.llm.generate([{"prompt_token_ids": s} for s in sequences], params, use_tqdm=False)
+        outputs = self.llm.generate([{"prompt_token_ids": s} for s in sequences], params, use_tqdm=False,
+                                    lora_request=self.lora_request)
         return [[step[t].logprob for step, t in zip(out.prompt_logprobs[1:], seq[1:])]
                 for out, seq in zip(outputs, sequences)]
 
@@ -488,8 +601,13 @@ class HFEngine:
         self.policy.train(was_training)
         return Rollouts(prompt_ids, completion_ids, logprobs, texts, truncated)
 
+    adapters = "shared"  # LoRA: the policy's own adapters apply
+
     def push_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
         """Nothing to do: this engine samples from the trainer's own parameters."""
+
+    def push_adapter(self, tensors: dict[str, Any], config: dict[str, Any]) -> None:
+        """Nothing to do: this engine samples from the trainer's own module, adapters included."""
 
     def sleep(self) -> None:
         """Nothing to free: the trainer's own module."""
@@ -515,6 +633,34 @@ class HFEngine:
         return out
 
 
+IN_MEMORY_ADAPTER = "in-memory"  # the path of a pushed adapter's LoRARequest: registered from tensors, never read
+
+
+def register_adapter(worker: Any, request: Any, tensors: dict[str, Any], config: dict[str, Any]) -> bool:
+    """In the engine's worker (collective_rpc): the adapter of `request` from `tensors`, through the worker's own
+    add_adapter (its checks, LRU cache and activation) with its one step that reads files, `_load_adapter`,
+    replaced for the call. False where this vLLM has no such step (the caller writes files instead)."""
+    from vllm.lora.peft_helper import PEFTHelper
+
+    manager = getattr(getattr(worker, "model_runner", None), "lora_manager", None)
+    if manager is None or not hasattr(manager, "_load_adapter") or not hasattr(manager, "_lora_model_cls"):
+        return False
+    helper = PEFTHelper.from_dict(dict(config))
+    helper.validate_legal(manager.lora_config)
+
+    def from_memory(req: Any) -> Any:
+        return manager._lora_model_cls.from_lora_tensors(
+            lora_model_id=req.lora_int_id, tensors=tensors, peft_helper=helper, device="cpu",
+            dtype=manager.lora_config.lora_dtype, model_vocab_size=manager.vocab_size)
+
+    manager._load_adapter = from_memory
+    try:
+        manager.add_adapter(request)
+    finally:
+        del manager._load_adapter  # the class's own method again
+    return True
+
+
 def _generate(model: Any, **kwargs: Any) -> Any:
     return model.generate(**kwargs)
 
@@ -528,10 +674,13 @@ class WrappedEngine:
     the inner engine's."""
 
     def __init__(self, engine: Engine) -> None:
-        self.engine, self.tokenizer = engine, engine.tokenizer
+        self.engine, self.tokenizer, self.adapters = engine, engine.tokenizer, engine.adapters
 
     def push_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
         self.engine.push_weights(named_tensors)
+
+    def push_adapter(self, tensors: dict[str, Any], config: dict[str, Any]) -> None:
+        self.engine.push_adapter(tensors, config)
 
     def score(self, sequences: list[list[int]]) -> list[list[float]]:
         return self.engine.score(sequences)

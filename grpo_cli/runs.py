@@ -22,7 +22,8 @@ RUN_CONFIG = "config.yaml"  # a run's resolved config, written by `grpo train`
 CHECKPOINTS = "checkpoints"  # a run's checkpoint folder
 KEYWORDS = ("latest", "best", "base")
 BEST_KEY = "eval/pass@1"  # where checkpoint.json records the held-out pass@1 of its step
-EXPECTED = "a checkpoint directory (config.json + *.safetensors, + checkpoint.json for a run's checkpoint)"
+EXPECTED = ("a checkpoint directory (config.json + *.safetensors, or a LoRA run's adapter_config.json + "
+            "adapter_model.safetensors; + checkpoint.json for a run's checkpoint)")
 NO_CHECKPOINT = ("no checkpoint given; set checkpoint=PATH (or latest|best|base with run=DIR) "
                  "or checkpoints=[A,B]")
 PARTIAL_TAGS = (".tmp-", ".old-")  # in the names of the directories an interrupted save leaves behind
@@ -35,13 +36,17 @@ def is_partial(path: Path) -> bool:
 
 def list_checkpoints(run_dir: Path) -> list[tuple[Path, dict[str, Any]]]:
     """A run's complete checkpoints with their checkpoint.json, oldest first (by step, then name). The one
-    rule for complete: not a partial save's directory, and checkpoint.json (written last), config.json and
-    *.safetensors present. Resuming, pruning and `grpo eval` all list checkpoints through here."""
+    rule for complete: not a partial save's directory, and checkpoint.json (written last), config.json (or a LoRA
+    run's adapter_config.json) and *.safetensors present. Resuming, pruning and `grpo eval` all list checkpoints
+    through here."""
+    from grpo_cli.lora import ADAPTER_CONFIG
+
     root = Path(run_dir) / CHECKPOINTS
     found = []
     for path in sorted(root.iterdir()) if root.is_dir() else []:
         info = read_info(path) if path.is_dir() and not is_partial(path) else None
-        if info is not None and (path / "config.json").is_file() and any(path.glob("*.safetensors")):
+        described = (path / "config.json").is_file() or (path / ADAPTER_CONFIG).is_file()
+        if info is not None and described and any(path.glob("*.safetensors")):
             found.append((path, info))
     return sorted(found, key=lambda item: (item[1].get("step") if isinstance(item[1].get("step"), int) else -1,
                                            item[0].name))
@@ -183,6 +188,14 @@ def check_checkpoint(path: Path, name: str) -> None:
         where = f"; {_run_listing(parent.parent)}" if in_run else ""
         raise UsageError(f"'{name}' is a partial checkpoint (an interrupted save: no {COMPLETE_MARKER}, which a "
                          f"complete save writes last){where}")
+    from grpo_cli.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, is_adapter_dir
+
+    if is_adapter_dir(path):  # a LoRA checkpoint: peft's adapter files, served on the run's base model
+        if not (path / ADAPTER_WEIGHTS).is_file():
+            raise UsageError(f"'{name}' has {ADAPTER_CONFIG} but no {ADAPTER_WEIGHTS}; it holds: {_holds(path)}")
+        if damage := damaged_weights(str(path)):
+            raise UsageError(damage)
+        return
     shards = sorted(path.glob("*.safetensors"))
     missing = [what for what, ok in (("config.json", (path / "config.json").is_file()), ("*.safetensors", shards))
                if not ok]
@@ -208,8 +221,14 @@ def check_checkpoint(path: Path, name: str) -> None:
 @dataclass(frozen=True)
 class Target:
     name: str  # as written on the command line: latest | best | base | a path
-    path: Path  # the model directory holding config.json and *.safetensors
+    path: Path  # the model directory holding config.json and *.safetensors (a LoRA checkpoint: its adapter files)
     beside: bool  # whether a lone eval's eval.json goes into `path` (not for base: it is not the run's)
+    base: Path | None = None  # a LoRA checkpoint's base model directory (the run's model.name_or_path); None: a whole model
+
+    @property
+    def model_dir(self) -> Path:
+        """The directory with the whole model's config.json and weights: the base under an adapter."""
+        return self.base or self.path
 
     @property
     def label(self) -> str:
@@ -255,11 +274,19 @@ def resolve(name: str, run_dir: Path | None, model_name_or_path: str) -> Target:
                                  f"({_run_listing(run_dir)})")
             path = max(scored)[2]
         check_checkpoint(path, str(path))
-        return Target(name, path, beside=True)
+        return Target(name, path, beside=True, base=adapter_base_dir(path, model_name_or_path))
     if name == "base":
         path = _base_path(model_name_or_path)
         check_checkpoint(path, str(path))
         return Target(name, path, beside=False)
     path = Path(name)
     check_checkpoint(path, name)
-    return Target(name, path, beside=True)
+    return Target(name, path, beside=True, base=adapter_base_dir(path, model_name_or_path))
+
+
+def adapter_base_dir(path: Path, model_name_or_path: str) -> Path | None:
+    """The base model a LoRA checkpoint is served on: the run's (or recipe's) model.name_or_path; None for a
+    whole model."""
+    from grpo_cli.lora import is_adapter_dir
+
+    return _base_path(model_name_or_path) if is_adapter_dir(path) else None

@@ -93,8 +93,16 @@ def preflight(cfg: TrainConfig) -> Task:
 
     from grpo_cli import passes
 
-    if reason := passes.shared_prompt_unsupported(AutoConfig.from_pretrained(model_path)):
+    model_config = AutoConfig.from_pretrained(model_path)
+    if reason := passes.shared_prompt_unsupported(model_config):
         raise UsageError(f"model.name_or_path: {reason}")
+    if cfg.model.lora.enabled:
+        from grpo_cli.lora import check_targets
+        from grpo_cli.rollout import vllm_lora_rank
+
+        check_targets(cfg.model.lora, model_config)
+        if cfg.rollout.engine == "vllm":
+            vllm_lora_rank(cfg.model.lora.rank)  # raises above vLLM's largest
     from grpo_cli.tools import load_tools
 
     tools = load_tools(cfg.rollout.tools, cfg.rollout.tool_format, cfg.rollout.environment)
@@ -219,7 +227,7 @@ class RunState:
     run_dir: Path  # where metrics, logs and checkpoints go
     start: Start  # step 0 from the base model, or the checkpoint a resume continues from
     policy: torch.nn.Module  # the model being trained (inside its FSDP2 root at world size > 1)
-    reference: torch.nn.Module | None  # the frozen reference for the KL term; None when trainer.kl_coef = 0
+    reference: torch.nn.Module | None  # the frozen reference for the KL term; None when trainer.kl_coef = 0 or with LoRA
     engine: Engine  # the rollout engine (rollout.engine), holding a copy of the policy's weights
     optimizer: torch.optim.Optimizer  # AdamW over the policy's parameters
     scheduler: torch.optim.lr_scheduler.LambdaLR  # warm-up and trainer.lr_schedule, over optimizer steps
@@ -243,25 +251,38 @@ def start_run(cfg: TrainConfig, task: Task, run_dir: Path, engine: Engine | None
 
     dist = Dist.init(cfg.trainer.device)
     start = resume_or_start(cfg, run_dir, task.model_path)
-    # fp32 master weights on CUDA (the passes autocast to model.dtype); on the CPU model.dtype itself
-    policy = load_policy(start.path, dist.master_dtype(cfg.model.dtype)).to(dist.device)
+    lora = cfg.model.lora
+    if lora.enabled:  # the base, frozen, in model.dtype; the adapters on top (fp32), a resume's from its checkpoint
+        from grpo_cli.lora import with_adapters
+
+        weights = task.model_path
+        policy = load_policy(weights, cfg.model.dtype).to(dist.device)
+        policy = with_adapters(policy, lora, task.model_path, start.path if start.state is not None else None)
+    else:  # fp32 master weights on CUDA (the passes autocast to model.dtype); on the CPU model.dtype itself
+        weights = start.path
+        policy = load_policy(weights, dist.master_dtype(cfg.model.dtype)).to(dist.device)
     policy.train()
     policy.config.use_cache = False
     # FSDP2 at world size > 1 (each rank keeps its shard; on CUDA the gathers carry model.dtype)
     policy = shard_model(policy, dist, cfg.dist.reshard_layers, cfg.model.dtype)
     reference = None
-    if cfg.trainer.kl_coef > 0:  # frozen: stored in the compute dtype itself
+    if cfg.trainer.kl_coef > 0 and not lora.enabled:  # frozen: stored in the compute dtype itself. With LoRA the
+        # reference is the policy with its adapters off (update.reference_logprobs): no second copy
         reference = shard_model(load_policy(task.model_path, cfg.model.dtype).to(dist.device).eval()
                                 .requires_grad_(False), dist, cfg.dist.reshard_layers)
+    from grpo_cli.sync import push
     from grpo_cli.tools.trajectories import with_tools
 
     tool_loop = lambda e: with_tools(e, task.tools, cfg.rollout)  # noqa: E731 - the engine itself without tools
     if engine is None:
-        engine = build_engine(cfg, start.path, policy, task.tokenizer, dist, wrap=tool_loop)
+        engine = build_engine(cfg, weights, policy, task.tokenizer, dist, wrap=tool_loop)
     else:
-        engine.push_weights(checkpoint_weights(start.path).items())
+        engine.push_weights(checkpoint_weights(weights).items())
         engine = tool_loop(engine)
-    optimizer, scheduler = build_optimizer(policy, cfg.trainer, start.schedule_steps)
+    if lora.enabled:  # the engine serves the base: it takes the adapters (B = 0 in a new run) before the first step
+        push(engine, policy)
+    trainer = cfg.trainer if lora.lr is None or not lora.enabled else dataclasses.replace(cfg.trainer, lr=lora.lr)
+    optimizer, scheduler = build_optimizer(policy, trainer, start.schedule_steps)
     heldout = HeldoutSet.build(task.heldout_rows[: cfg.eval.num_problems], task.encode, task.reward_fns, cfg.data)
     state = RunState(task, dist, run_dir, start, policy, reference, engine, optimizer, scheduler,
                      PromptCursor(len(task.train_rows), cfg.trainer.seed), heldout)

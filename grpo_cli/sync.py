@@ -27,10 +27,26 @@ PROBE_SEQUENCES = 4  # sequences re-scored by the engine in a push check
 
 def push(engine: Engine, policy: torch.nn.Module) -> None:
     """Every checkpoint-format tensor of the policy into this rank's engine; a sharded policy's are
-    gathered one at a time as the engine reads them (never the whole model in extra memory)."""
+    gathered one at a time as the engine reads them (never the whole model in extra memory). With LoRA
+    (docs/lora.md) the adapters alone where the engine takes them (`push_mode`), else the base weights
+    with the adapters merged in."""
     from grpo_cli.dist.shard import full_tensors
+    from grpo_cli.lora import adapter_config, adapter_tensors, is_adapter_model, merged_tensors
 
-    engine.push_weights(full_tensors(policy))
+    if not is_adapter_model(policy):
+        engine.push_weights(full_tensors(policy))
+    elif engine.adapters == "request":
+        engine.push_adapter(adapter_tensors(policy), adapter_config(policy))
+    elif engine.adapters == "merged":
+        engine.push_weights(merged_tensors(policy))
+    # "shared": the engine samples from the policy module itself, adapters included
+
+
+def push_mode(engine: Engine) -> str:
+    """The console's words for how a LoRA policy reaches `engine` (`Engine.adapters`)."""
+    return {"request": "the adapters alone, as a vLLM LoRA request",
+            "merged": "the base weights with the adapters merged in (rollout.lora_push; vLLM's LoRA is off)",
+            "shared": "nothing: the transformers engine samples from the policy itself"}[engine.adapters]
 
 
 def release_engine(state: RunState, cfg: TrainerConfig, timings: StepTimer) -> None:
@@ -97,22 +113,52 @@ def mismatched_elements(engine_tensor: torch.Tensor, trainer_tensor: torch.Tenso
 def exact_push_check(engine: Engine, policy: torch.nn.Module) -> tuple[int, int] | None:
     """(elements that differ, elements compared) over EXACT_TENSORS between this rank's engine and the policy;
     None when the engine cannot show its tensors (the transformers engine shares the policy's). Under tensor
-    parallelism a tensor the rank holds a shard of is compared when the shard is the whole tensor."""
+    parallelism a tensor the rank holds a shard of is compared when the shard is the whole tensor. With LoRA the
+    base's EXACT_TENSORS, and where the engine serves the adapters, EXACT_ADAPTERS' A and B as it holds them."""
     from grpo_cli.dist.shard import full_tensors
+    from grpo_cli.lora import is_adapter_model
 
     inner = engine
     while not hasattr(inner, "read_weights") and hasattr(inner, "engine"):  # a ShardedEngine, a ToolEngine
         inner = inner.engine
     if not hasattr(inner, "read_weights"):
         return None
+    prefix = "base_model.model." if is_adapter_model(policy) else ""  # a peft model's names of the base's tensors
     engine_tensors = inner.read_weights(EXACT_TENSORS)
     differ = compared = 0
-    for name, tensor in full_tensors(policy, EXACT_TENSORS):  # every rank gathers the same ones, in one order
-        mine = engine_tensors.get(name)
+    for name, tensor in full_tensors(policy, [prefix + n for n in EXACT_TENSORS]):  # every rank: the same, in order
+        mine = engine_tensors.get(name.removeprefix(prefix))
         if mine is not None and mine.shape == tensor.shape:
             differ += mismatched_elements(mine, tensor)
             compared += tensor.numel()
+    if prefix and inner.adapters == "request":
+        adapter_differ, adapter_compared = exact_adapter_check(inner, policy)
+        differ, compared = differ + adapter_differ, compared + adapter_compared
     return (differ, compared) if compared else None
+
+
+# LoRA modules whose A and B the exact push check compares: vLLM packs q/k/v and gate/up, not these
+EXACT_ADAPTERS = ("model.layers.0.self_attn.o_proj", "model.layers.0.mlp.down_proj")
+
+
+def exact_adapter_check(engine: Any, policy: torch.nn.Module) -> tuple[int, int]:
+    """(elements that differ, elements compared) between the adapters the engine serves and the policy's, over
+    EXACT_ADAPTERS: A as pushed, B with the alpha/r scale vLLM folds into it, in the engine's LoRA dtype."""
+    from grpo_cli.lora import adapter_config, adapter_tensors
+
+    served = engine.read_adapter(EXACT_ADAPTERS)
+    config = adapter_config(policy)
+    scale = config["lora_alpha"] / config["r"]
+    trainer = adapter_tensors(policy)  # every rank gathers them (small)
+    differ = compared = 0
+    for module, (a, b) in served.items():
+        want_a = trainer.get(f"base_model.model.{module}.lora_A.weight")
+        want_b = trainer.get(f"base_model.model.{module}.lora_B.weight")
+        if want_a is None or want_a.shape != a.shape or want_b.shape != b.shape:
+            continue
+        differ += mismatched_elements(a, want_a) + mismatched_elements(b, want_b.to("cpu", b.dtype) * scale)
+        compared += a.numel() + b.numel()
+    return differ, compared
 
 
 def stale_weights_error(worst: float, tol: float, where: str = "") -> Exception:
@@ -144,8 +190,9 @@ def maybe_push_check(state: RunState, batch: TrainBatch, step: int, cfg: Rollout
             from grpo_cli.errors import RunFailure
 
             raise RunFailure(f"the rollout engine{where} holds stale weights: {differ} of {compared} elements of "
-                             f"{', '.join(EXACT_TENSORS)} differ from the trainer's after a weight push (cast to the "
-                             "engine's dtype they must be equal)")
+                             f"{', '.join(EXACT_TENSORS)} (with LoRA, and of {', '.join(EXACT_ADAPTERS)}'s adapters) "
+                             "differ from the trainer's after a weight push (cast to the engine's dtype they must be "
+                             "equal)")
         out["push_check/tensors_mismatched"] = float(differ)
     if not due:
         return out

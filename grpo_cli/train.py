@@ -56,7 +56,7 @@ def run(cfg: TrainConfig, run_dir: Path, engine: Engine | None = None) -> int:
     stop = GracefulStop()  # Ctrl-C: finish the step, checkpoint, exit 130; a second one exits at once
     guard = NonFiniteGuard(t_cfg.max_bad_steps)
     try:
-        out.header(task.model_path)
+        out.header(task.model_path, state)
         if state.start.step == 0:
             out.record({"step": 0, **heldout_eval(state, cfg, 0)})
         else:
@@ -114,13 +114,19 @@ class RunOutput:
         self.watch = ZeroVarianceWatch(cfg.logging.zero_variance_threshold, cfg.logging.zero_variance_patience)
         self.console.start()
 
-    def header(self, model_path: str) -> None:
-        """The run's first console lines: what runs, then the loggers' notes (e.g. wandb offline)."""
+    def header(self, model_path: str, state: RunState) -> None:
+        """The run's first console lines: what runs, with LoRA what trains and how it reaches the engine, then
+        the loggers' notes (e.g. wandb offline)."""
         cfg, world = self.cfg, self.dist.world_size
         ranks = f" | {world} processes (FSDP2, an engine each)" if world > 1 else ""
         self.console.info(f"grpo train: {cfg.task} | model {model_path} | engine {cfg.rollout.engine} | "
                           f"{cfg.trainer.steps} steps of {cfg.rollout.prompts_per_step} prompts x "
                           f"{cfg.rollout.group_size}{ranks} | run dir {self.run_dir}")
+        if cfg.model.lora.enabled:
+            from grpo_cli.lora import summary
+            from grpo_cli.sync import push_mode
+
+            self.console.info(f"{summary(state.policy, cfg.model.lora)} | push: {push_mode(state.engine)}")
         for note in self.logger.notes:
             self.console.info(note)
 

@@ -79,12 +79,25 @@ def fill_logprobs(state: RunState, batch: TrainBatch, groups: Groups, cfg: Train
     dist, chunk, temperature = state.dist, cfg.trainer.logprob_chunk_tokens, cfg.rollout.temperature
     autocast = lambda: dist.autocast(cfg.model.dtype)  # noqa: E731
     old = batch_logprobs(state.policy if needs_old_logprobs(cfg) else None, batch, chunk, temperature, autocast)
-    ref = batch_logprobs(state.reference, batch, chunk, temperature, autocast)
+    ref = reference_logprobs(state, batch, cfg, autocast)
     for mb, old_lp, ref_lp in zip(batch.micro_batches, old, ref):
         mb.old_logprobs, mb.ref_logprobs = old_lp, ref_lp  # [b, Tc] each (or None)
     if cfg.trainer.mismatch_correction == "seq_mask" and batch.micro_batches:
         renormalize_without_rejected(batch, cfg, dist)
     return kl_into_advantages(batch, groups, cfg, dist) if cfg.trainer.kl_in_reward and batch.micro_batches else {}
+
+
+def reference_logprobs(state: RunState, batch: TrainBatch, cfg: TrainConfig,
+                       autocast: Callable[[], AbstractContextManager]) -> list[torch.Tensor | None]:
+    """The frozen reference's logprobs of every micro-batch (all None without a KL term): its own model, or with
+    LoRA the policy with its adapters off, which is the base model exactly (docs/lora.md)."""
+    chunk, temperature = cfg.trainer.logprob_chunk_tokens, cfg.rollout.temperature
+    if cfg.model.lora.enabled and cfg.trainer.kl_coef > 0:
+        from grpo_cli.lora import adapters_off
+
+        with adapters_off(state.policy):
+            return batch_logprobs(state.policy, batch, chunk, temperature, autocast)
+    return batch_logprobs(state.reference, batch, chunk, temperature, autocast)
 
 
 def renormalize_without_rejected(batch: TrainBatch, cfg: TrainConfig, dist: Dist) -> None:

@@ -78,7 +78,13 @@ def test_the_update_does_not_depend_on_how_the_batch_is_split(partition_job):
             assert_same_weights(whole["weights"], two_ranks["weights"])
             assert two_ranks["stats"]["loss"] == pytest.approx(whole["stats"]["loss"], rel=1e-5), name
             assert two_ranks["stats"]["grad_norm"] == pytest.approx(whole["stats"]["grad_norm"], rel=1e-5), name
-            moved = max(float((whole["weights"][k] - start[k]).abs().max()) for k in start)
+            if name == "lora":  # the adapters moved; every base weight is as it was, bit for bit
+                base = {k.removeprefix("base_model.model.").replace(".base_layer.", "."): v
+                        for k, v in two_ranks["weights"].items() if ".lora_" not in k}
+                assert base.keys() == start.keys() and all(torch.equal(base[k], start[k]) for k in start)
+                moved = max(float(v.abs().max()) for k, v in whole["weights"].items() if ".lora_B." in k)
+            else:
+                moved = max(float((whole["weights"][k] - start[k]).abs().max()) for k in start)
             assert moved > 1e-3, name  # the update did move the weights, so agreeing means something
             if name == "seq_mask":  # the band rejected some samples, not all of them
                 assert 0 < two_ranks["stats"]["correction/masked_frac"] < 1

@@ -318,3 +318,25 @@ def test_fsdp_gathers_carry_the_compute_dtype_only_over_fp32_master_weights():
     assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
     assert mixed_precision(Dist(device="cpu").master_dtype("float32"), "float32") is None
     assert mixed_precision("bfloat16", "bfloat16") is None  # the reference, stored in model.dtype
+
+
+def test_check_counts_a_lora_run_as_a_frozen_base_in_its_dtype_and_fp32_adapters():
+    """With model.lora: the base once in model.dtype (no reference copy), the adapters' count from the config,
+    and their weights, gradients and AdamW moments in fp32; checked against peft's count on the built model."""
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from grpo_cli.check import adapter_parameter_count, memory_lines
+    from grpo_cli.config import LoraConfig, ModelConfig, RewardSpec, RolloutConfig, TrainConfig
+    from grpo_cli.lora import peft_config
+
+    config = json.loads((REPO / "grpo_cli" / "models" / "bike_base" / "config.json").read_text())
+    with torch.device("meta"):
+        model = get_peft_model(AutoModelForCausalLM.from_config(Qwen2Config(**config)), peft_config(LoraConfig(rank=16), "base"))
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert adapter_parameter_count(config, 16, LoraConfig().target_modules) == trainable == 188_416
+    cfg = TrainConfig(task="t", rewards=[RewardSpec(name="correct")], rollout=RolloutConfig(push_check_tol=0.05),
+                      model=ModelConfig(dtype="bfloat16", lora=LoraConfig(rank=16)))
+    line = memory_lines(cfg, config, 1)[0]
+    assert "1.1M base parameters in bfloat16" in line and "0.19M adapter parameters" in line
+    assert "reference 0 GiB (the base with the adapters off)" in line

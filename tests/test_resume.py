@@ -149,7 +149,11 @@ def kill_at_step_2(workdir: Path, out: str, *extra: str) -> Path:
     return marker.parents[2]
 
 
-@pytest.mark.parametrize("menu", [(), MENU, TOOLS], ids=["default", "menu", "tools"])
+# LoRA: the adapters and their AdamW moments are the whole trainable state (the reference: adapters off)
+LORA = ("model.lora.rank=8", "model.lora.lr=1e-2")
+
+
+@pytest.mark.parametrize("menu", [(), MENU, TOOLS, LORA], ids=["default", "menu", "tools", "lora"])
 def test_resume_after_sigkill_gives_the_same_weights(in_workdir, capsys, menu):
     from safetensors.torch import load_file
 
@@ -160,14 +164,17 @@ def test_resume_after_sigkill_gives_the_same_weights(in_workdir, capsys, menu):
     run_dir = kill_at_step_2(workdir, killed, "trainer.steps=4", "checkpoint.every=2", *menu)
     code, _, err = run(capsys, workdir, killed, "trainer.steps=4", "checkpoint.every=2", "resume=auto", *menu)
     assert code == 0, err[-2000:]
-    a = load_file(only_run_dir(workdir, straight_dir) / "checkpoints" / "final" / "model.safetensors")
-    b = load_file(run_dir / "checkpoints" / "final" / "model.safetensors")
+    weights = "adapter_model.safetensors" if menu == LORA else "model.safetensors"  # LoRA: the adapters alone
+    a = load_file(only_run_dir(workdir, straight_dir) / "checkpoints" / "final" / weights)
+    b = load_file(run_dir / "checkpoints" / "final" / weights)
     assert a.keys() == b.keys()
     assert all(a[k].equal(b[k]) for k in a)  # bit-exact
     logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in logged] == [0, 1, 2, 3, 4]  # steps logged after the checkpoint were replayed
     if menu == TOOLS:  # trajectories of several turns, resumed on the same samples
         assert all(m["tools/calls_per_sample"] > 0.5 and m["tools/turns_per_sample"] > 1.5 for m in logged[1:])
+    if menu == LORA:  # the adapters did train (B starts at 0)
+        assert max(float(t.abs().max()) for k, t in b.items() if ".lora_B." in k) > 1e-3
     if menu:
         return  # the refusals below do not depend on the loss
 

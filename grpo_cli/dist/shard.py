@@ -155,6 +155,17 @@ def full_tensors(model: torch.nn.Module, names: Iterable[str] | None = None) -> 
             yield name, (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach()
 
 
+def full_parameters(model: torch.nn.Module, names: Iterable[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full tensor) for the parameters named `names`, in `named_parameters` order: `full_tensors` without
+    building the whole state_dict (a LoRA push reads a few small tensors every step). Every rank must iterate."""
+    from torch.distributed.tensor import DTensor
+
+    wanted = set(names)
+    for name, param in unwrap(model).named_parameters():
+        if name in wanted:
+            yield name, (param.full_tensor() if isinstance(param, DTensor) else param).detach()
+
+
 def grad_norm_tensor(norm: torch.Tensor) -> torch.Tensor:
     """clip_grad_norm_'s result as a plain tensor on this rank's device (a DTensor over sharded gradients:
     its full value, a collective every rank runs); reading it as a float is the caller's one sync."""

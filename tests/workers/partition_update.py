@@ -17,7 +17,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from grpo_cli.batch import TrainBatch
 from grpo_cli.collect import Groups
-from grpo_cli.config import RewardSpec, RolloutConfig, TrainConfig, TrainerConfig
+from grpo_cli.config import LoraConfig, ModelConfig, RewardSpec, RolloutConfig, TrainConfig, TrainerConfig
 from grpo_cli.dist import Dist
 from grpo_cli.dist.shard import full_tensors, shard_model
 from grpo_cli.rewards import RewardFailures, Scores
@@ -42,6 +42,7 @@ VARIANTS = {
     "kl_in_reward": {"kl_in_reward": True},
     "seq_mask": {"mismatch_correction": "seq_mask", "seq_mask_low": 0.04},
     "tool_tokens": {"loss": "token_mean"},  # trajectories: tokens 1-2 of the longer completions are a tool's reply
+    "lora": {},  # LoRA adapters on tiny(0): the reference is the same module with its adapters off
 }
 TRAJECTORIES = {"tool_tokens"}
 
@@ -70,14 +71,23 @@ def update_once(micro_batch_size: int, variant: str, dist: Dist) -> dict:
     groups = Groups([{}] * P, prompt_ids, rollouts, Scores([0.0] * (P * G), {"correct": [0.0] * (P * G)}, [False] * (P * G)),
                     RewardFailures(), torch.zeros(P, G), advantages, none, none, keep,
                     dropped=torch.zeros(P, G, dtype=torch.bool))
+    lora = LoraConfig(rank=4, alpha=8) if variant == "lora" else LoraConfig()
     cfg = TrainConfig(task="t", rewards=[RewardSpec(name="correct")], rollout=RolloutConfig(prompts_per_step=P),
+                      model=ModelConfig(lora=lora),
                       trainer=TrainerConfig(lr=0.5, kl_coef=0.1, ppo_epochs=2, minibatches=2,
                                             micro_batch_size=micro_batch_size, clip_eps=0.2, **VARIANTS[variant]))
-    policy = shard_model(tiny(0).train(), dist)
-    reference = shard_model(tiny(1).eval().requires_grad_(False), dist)
+    if lora.enabled:
+        from grpo_cli.lora import with_adapters
+
+        torch.manual_seed(2)  # the adapters' A matrices (B starts at 0)
+        policy = shard_model(with_adapters(tiny(0), lora, "tiny").train(), dist)
+        reference = None  # the policy with its adapters off
+    else:
+        policy = shard_model(tiny(0).train(), dist)
+        reference = shard_model(tiny(1).eval().requires_grad_(False), dist)
     # Plain SGD: Adam divides by the gradient's own size, so float noise in a near-zero gradient
     # would become a full lr step and hide whether two splits agree.
-    optimizer = torch.optim.SGD(policy.parameters(), lr=0.5)
+    optimizer = torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=0.5)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: 1.0)
     params = loss_params(cfg)
     batch = TrainBatch.build(groups, 0, cfg.trainer, dist, params)

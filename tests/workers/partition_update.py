@@ -1,4 +1,5 @@
-"""One update on a fixed synthetic batch for each loss variant, at whatever world size torchrun gives;
+"""One update on a fixed synthetic batch for each loss variant, at whatever world size torchrun gives (one
+rank when run without torchrun);
 rank 0 saves the full weights and the stats of each variant to argv[1]/VARIANT.pt, and each rank what the
 loop's collectives gave it to argv[1]/collectives_rankR.json. argv[2] is trainer.micro_batch_size,
 argv[3:] the variants (VARIANTS' keys).
@@ -135,6 +136,8 @@ if __name__ == "__main__":
         result = update_once(int(sys.argv[2]), name, ranks)
         if ranks.is_main:
             torch.save(result, Path(sys.argv[1]) / f"{name}.pt")
+    if ranks.world_size == 1:  # run without torchrun: the one-rank reference of each variant, nothing more
+        sys.exit(0)
     reshard = reshard_runs(ranks)
     if ranks.is_main:
         torch.save(reshard, Path(sys.argv[1]) / "reshard.pt")

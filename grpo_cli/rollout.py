@@ -674,7 +674,11 @@ class WrappedEngine:
     the inner engine's."""
 
     def __init__(self, engine: Engine) -> None:
-        self.engine, self.tokenizer, self.adapters = engine, engine.tokenizer, engine.adapters
+        self.engine, self.tokenizer = engine, engine.tokenizer
+
+    @property
+    def adapters(self) -> str:
+        return self.engine.adapters
 
     def push_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
         self.engine.push_weights(named_tensors)

@@ -233,10 +233,12 @@ BAD_INPUTS = [
     (["checkpoint=base"], "checkpoint=base needs run=DIR"),
     (["checkpoints=[latest,base]", "recipe=bike_pricing"], "checkpoint=latest needs run=DIR"),
     (["checkpoint={root}/nope"], "checkpoint '{root}/nope' does not exist; expected a checkpoint directory "
-                                 "(config.json + *.safetensors, + checkpoint.json for a run's checkpoint)"),
+                                 "(config.json + *.safetensors, or a LoRA run's adapter_config.json + "
+                                 "adapter_model.safetensors; + checkpoint.json for a run's checkpoint)"),
     (["checkpoint={root}/not_a_model", "recipe=bike_pricing"],
      "'{root}/not_a_model' is not a checkpoint: no config.json and no *.safetensors; expected a checkpoint "
-     "directory (config.json + *.safetensors, + checkpoint.json for a run's checkpoint); it holds: notes.txt"),
+     "directory (config.json + *.safetensors, or a LoRA run's adapter_config.json + adapter_model.safetensors; "
+     "+ checkpoint.json for a run's checkpoint); it holds: notes.txt"),
     (["checkpoint={root}/wide"], "'{root}/wide' is not a checkpoint of a run"),
     (["checkpoint={root}/run"], "'{root}/run' is a run directory, not a checkpoint; checkpoints in "
                                 "{root}/run/checkpoints: step_000010, truncated, final"),

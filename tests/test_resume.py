@@ -8,6 +8,7 @@ tests do not depend on the shipped model's accuracy.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -21,8 +22,11 @@ pytestmark = pytest.mark.slow
 
 REWARD_MODULE = '''
 import math
+import os
+import time
 
 def digit_share(completions, **kwargs):
+    time.sleep(float(os.environ.get("SLOW_REWARD_S", "0")))  # kill_at_step_2's run: a step outlasts the poll
     return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
 
 def boom(completions, **kwargs):
@@ -134,9 +138,12 @@ TOOLS = ("rollout.tools=[{function:test_rewards_mod:echo,open:' ',close:e,timeou
 
 
 def kill_at_step_2(workdir: Path, out: str, *extra: str) -> Path:
-    """`python -m grpo_cli train ...` SIGKILLed once its step-2 checkpoint is complete; its run directory."""
+    """`python -m grpo_cli train ...` SIGKILLed once its step-2 checkpoint is complete; its run directory. Its
+    reward sleeps 0.2 s a call (the numbers are the same): a tiny-model step takes tens of milliseconds, and
+    steps 3, 4 and the final save once finished inside the 0.1 s poll, before the kill."""
     proc = subprocess.Popen([sys.executable, "-m", "grpo_cli", *args(workdir, out, *extra)], cwd=workdir,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "SLOW_REWARD_S": "0.2"})
     deadline, marker = time.time() + 600, None
     while time.time() < deadline and proc.poll() is None and marker is None:
         marker = next(iter((workdir / out).glob("bike_pricing/*/checkpoints/step_000002/checkpoint.json")), None)

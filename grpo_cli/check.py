@@ -27,14 +27,21 @@ def model_shape(name_or_path: str) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
+def linear_shapes(shape: dict[str, Any]) -> dict[str, tuple[int, int]]:
+    """(in, out) of each linear layer of one decoder layer of a Llama/Qwen2-style model, from its config."""
+    H = shape["hidden_size"]
+    heads = shape.get("num_attention_heads", 1)
+    head_dim = shape.get("head_dim", H // heads)
+    q, kv, inter = heads * head_dim, shape.get("num_key_value_heads", heads) * head_dim, shape.get("intermediate_size", 4 * H)
+    return {"q_proj": (H, q), "k_proj": (H, kv), "v_proj": (H, kv), "o_proj": (q, H), "gate_proj": (H, inter),
+            "up_proj": (H, inter), "down_proj": (inter, H)}
+
+
 def layer_parameter_count(shape: dict[str, Any]) -> int:
     """Parameters of one decoder layer of a Llama/Qwen2-style model from its config: attention, MLP, norms."""
-    H = shape["hidden_size"]
-    inter = shape.get("intermediate_size", 4 * H)
-    heads = shape.get("num_attention_heads", 1)
-    kv = shape.get("num_key_value_heads", heads) * shape.get("head_dim", H // heads)
-    attention = H * H * 2 + H * kv * 2 + (H + 2 * kv if shape.get("model_type") == "qwen2" else 0)  # q, o, k, v (+ bias)
-    return attention + 3 * H * inter + 2 * H
+    dims = linear_shapes(shape)
+    bias = dims["q_proj"][1] + 2 * dims["k_proj"][1] if shape.get("model_type") == "qwen2" else 0  # q, k, v biases
+    return sum(i * o for i, o in dims.values()) + bias + 2 * shape["hidden_size"]
 
 
 def parameter_count(shape: dict[str, Any]) -> int:
@@ -83,13 +90,8 @@ def tool_lines(cfg: TrainConfig) -> list[str]:
 
 def adapter_parameter_count(shape: dict[str, Any], rank: int, targets: list[str]) -> int:
     """Parameters of rank-`rank` LoRA adapters (A: r x in, B: out x r) on `targets` in every decoder layer."""
-    H, L = shape["hidden_size"], shape["num_hidden_layers"]
-    heads = shape.get("num_attention_heads", 1)
-    head_dim = shape.get("head_dim", H // heads)
-    q, kv, inter = heads * head_dim, shape.get("num_key_value_heads", heads) * head_dim, shape.get("intermediate_size", 4 * H)
-    dims = {"q_proj": (H, q), "k_proj": (H, kv), "v_proj": (H, kv), "o_proj": (q, H), "gate_proj": (H, inter),
-            "up_proj": (H, inter), "down_proj": (inter, H)}  # (in, out) of each linear layer
-    return L * sum(rank * (dims[t][0] + dims[t][1]) for t in targets if t in dims)
+    dims = linear_shapes(shape)
+    return shape["num_hidden_layers"] * sum(rank * sum(dims[t]) for t in targets if t in dims)
 
 
 def memory_lines(cfg: TrainConfig, shape: dict[str, Any] | None, world_size: int) -> list[str]:

@@ -144,16 +144,18 @@ EXACT_ADAPTERS = ("model.layers.0.self_attn.o_proj", "model.layers.0.mlp.down_pr
 def exact_adapter_check(engine: Any, policy: torch.nn.Module) -> tuple[int, int]:
     """(elements that differ, elements compared) between the adapters the engine serves and the policy's, over
     EXACT_ADAPTERS: A as pushed, B with the alpha/r scale vLLM folds into it, in the engine's LoRA dtype."""
-    from grpo_cli.lora import adapter_config, adapter_tensors
+    from grpo_cli.dist.shard import full_parameters
+    from grpo_cli.lora import adapter_config
 
     served = engine.read_adapter(EXACT_ADAPTERS)
     config = adapter_config(policy)
     scale = config["lora_alpha"] / config["r"]
-    trainer = adapter_tensors(policy)  # every rank gathers them (small)
+    names = [f"base_model.model.{m}.lora_{x}.default.weight" for m in EXACT_ADAPTERS for x in "AB"]
+    trainer = dict(full_parameters(policy, names))  # every rank gathers these four, in one order
     differ = compared = 0
     for module, (a, b) in served.items():
-        want_a = trainer.get(f"base_model.model.{module}.lora_A.weight")
-        want_b = trainer.get(f"base_model.model.{module}.lora_B.weight")
+        want_a = trainer.get(f"base_model.model.{module}.lora_A.default.weight")
+        want_b = trainer.get(f"base_model.model.{module}.lora_B.default.weight")
         if want_a is None or want_a.shape != a.shape or want_b.shape != b.shape:
             continue
         differ += mismatched_elements(a, want_a) + mismatched_elements(b, want_b.to("cpu", b.dtype) * scale)

@@ -16,15 +16,41 @@ from grpo_cli.config import TrainConfig
 FP32_BYTES = 4
 
 
+# The shapes of the hub models the GPU recipes name, from their published config.json (the fields the estimate
+# reads), so that `grpo check` answers for them on a machine that has never downloaded them.
+HUB_SHAPES: dict[str, dict[str, Any]] = {
+    "Qwen/Qwen2.5-0.5B-Instruct": dict(model_type="qwen2", hidden_size=896, intermediate_size=4864,
+                                       num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                                       vocab_size=151936, tie_word_embeddings=True),
+    "Qwen/Qwen2.5-7B-Instruct": dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944,
+                                     num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                                     vocab_size=152064, tie_word_embeddings=False),
+}
+
+# Bytes autograd keeps for the backward per token and decoder layer, per unit of (hidden_size, intermediate_size,
+# key/value width), by compute dtype and LoRA: measured with saved-tensor hooks on Qwen2-shaped models (sdpa
+# attention, no recomputation; tests/test_gpu_path.py measures again). "bfloat16" is autocast over fp32 master
+# weights, or with LoRA over a bf16 base with fp32 adapters, as the trainer runs on CUDA.
+ACTIVATION_BYTES = {("float32", False): (32, 16, 8), ("float32", True): (25, 16, 8),
+                    ("bfloat16", False): (30, 8, 4), ("bfloat16", True): (25, 8, 4)}
+# What a prompt is assumed to take when the estimate cannot tokenize the data (a chat-template bike_pricing
+# prompt is well under it)
+PROMPT_TOKENS = 256
+# What a sleeping vLLM engine is taken to keep on the GPU (its CUDA context and allocations outside its memory
+# pool): an assumption, not measured here
+ASLEEP_GIB = 1.0
+
+
 def model_shape(name_or_path: str) -> dict[str, Any] | None:
-    """The model's config.json as a dict, or None when it is not a local directory (a hub id)."""
+    """The model's config.json as a dict (a hub model in HUB_SHAPES without a local copy: its shape from there),
+    or None when neither has it."""
     from grpo_cli.checkpoint import resolve_model_path
 
     try:
         path = Path(resolve_model_path(name_or_path)) / "config.json"
     except FileNotFoundError:
-        return None
-    return json.loads(path.read_text()) if path.is_file() else None
+        return HUB_SHAPES.get(name_or_path)
+    return json.loads(path.read_text()) if path.is_file() else HUB_SHAPES.get(name_or_path)
 
 
 def linear_shapes(shape: dict[str, Any]) -> dict[str, tuple[int, int]]:
@@ -137,6 +163,65 @@ def lora_memory_line(cfg: TrainConfig, shape: dict[str, Any], world_size: int) -
             f"{logits / gib:.3f} GiB; activations and the rollout engine's weights and KV cache come on top")
 
 
+def activation_bytes_per_token(shape: dict[str, Any], dtype: str, lora: bool) -> int:
+    """Bytes a forward pass keeps for its backward per token, over every decoder layer (ACTIVATION_BYTES)."""
+    per_h, per_i, per_kv = ACTIVATION_BYTES[("float32" if dtype == "float32" else "bfloat16", lora)]
+    dims = linear_shapes(shape)
+    return shape["num_hidden_layers"] * (per_h * shape["hidden_size"] + per_i * dims["gate_proj"][1]
+                                         + per_kv * dims["k_proj"][1])
+
+
+def gpu_lines(cfg: TrainConfig, shape: dict[str, Any] | None, world_size: int) -> list[str]:
+    """Each rank's GPU at its two peaks, the trainer and a vLLM engine sharing it: while vLLM generates (the
+    trainer's weights and AdamW state stay) and while the trainer updates (vLLM asleep with sleep mode)."""
+    if shape is None or (cfg.model.dtype == "float32" and not cfg.trainer.device.startswith("cuda")):
+        return []  # a CPU run
+    from grpo_cli.rollout import ENGINE_WORKSPACE_GIB, adapter_sleep_level
+
+    m, r, t, gib = cfg.model, cfg.rollout, cfg.trainer, 2**30
+    dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[m.dtype]
+    params, layer = parameter_count(shape), layer_parameter_count(shape)
+    gathered = 0 if world_size == 1 else params - shape["num_hidden_layers"] * layer + 2 * layer
+    lora = m.lora.enabled
+    if lora:  # the base in model.dtype, the adapters and their AdamW moments in fp32; the reference is the base
+        adapters = adapter_parameter_count(shape, m.lora.rank, m.lora.target_modules)
+        weights = (params / world_size + gathered) * dtype_bytes + adapters * FP32_BYTES / world_size
+        moments, grads, ref = adapters * 8 / world_size, adapters * FP32_BYTES / world_size, 0.0
+    else:  # fp32 master weights (FSDP2 gathers them in model.dtype), the reference stored in model.dtype
+        adapters = 0
+        weights = params * FP32_BYTES / world_size + gathered * dtype_bytes
+        moments, grads = params * 8 / world_size, params * FP32_BYTES / world_size
+        ref = (params / world_size + gathered) * dtype_bytes if t.kl_coef > 0 else 0.0
+    held_while_generating = weights + ref + (0 if t.offload_optimizer else moments)
+    prompts = r.prompts_per_step // world_size // t.minibatches
+    tokens = prompts * PROMPT_TOKENS + t.micro_batch_size * r.trajectory_tokens  # the prompt pass + one micro-batch
+    activations = tokens * activation_bytes_per_token(shape, m.dtype, lora)
+    logits = t.logprob_chunk_tokens * shape["vocab_size"] * FP32_BYTES * 3
+    updating = weights + ref + moments + grads + activations + logits
+    lines = [f"on a GPU, per rank (estimate; {m.dtype}, trainer.device=cuda): the trainer holds {updating / gib:.1f} "
+             f"GiB while it updates (weights {weights / gib:.1f}, reference {ref / gib:.1f}, gradients and AdamW "
+             f"{(grads + moments) / gib:.1f}, activations {activations / gib:.1f} for {tokens} tokens: {prompts} "
+             f"prompts of <= {PROMPT_TOKENS} and {t.micro_batch_size} completions of <= {r.trajectory_tokens}, one "
+             f"logits chunk {logits / gib:.1f})"]
+    if r.engine != "vllm":
+        return lines + [f"  peak {updating / gib:.1f} GiB (rollout.engine={r.engine} samples from the policy itself)"]
+    tp = r.tensor_parallel_size
+    sleeping = r.sleep_mode in ("auto", "on")
+    if r.gpu_memory_utilization is not None:
+        return lines + [f"  vLLM takes rollout.gpu_memory_utilization={r.gpu_memory_utilization} of the device"]
+    engine = params * dtype_bytes / tp + adapters * dtype_bytes + (r.kv_cache_gib + ENGINE_WORKSPACE_GIB) * gib
+    level = adapter_sleep_level(r.sleep_level) if lora and r.lora_push != "merged" else r.sleep_level
+    asleep = ASLEEP_GIB * gib if sleeping else engine
+    generating, peak = held_while_generating + engine, max(held_while_generating + engine, updating + asleep)
+    return lines + [
+        f"  vLLM {engine / gib:.1f} GiB awake (weights {params * dtype_bytes / tp / gib:.1f}, KV cache "
+        f"{r.kv_cache_gib:g}, workspace {ENGINE_WORKSPACE_GIB:g}), "
+        + (f"{ASLEEP_GIB:g} asleep (sleep level {level})" if sleeping else "awake throughout (rollout.sleep_mode=off)"),
+        f"  peak {peak / gib:.1f} GiB: {generating / gib:.1f} while vLLM generates"
+        + (" (AdamW's moments offloaded)" if t.offload_optimizer else "")
+        + f", {(updating + asleep) / gib:.1f} while the trainer updates"]
+
+
 def correctness_line(cfg: TrainConfig) -> str:
     """Which reward is the correctness check, and what it decides."""
     i, spec = next((i, s) for i, s in enumerate(cfg.rewards) if s.correctness or len(cfg.rewards) == 1)
@@ -180,7 +265,8 @@ def warnings(cfg: TrainConfig) -> list[str]:
 def run_check(cfg: TrainConfig, run_dir: Any) -> int:
     world_size = max(cfg.dist.world_size, int(os.environ.get("WORLD_SIZE", "1")))  # dist.* or plain torchrun
     print(f"grpo check: {cfg.task} | model {cfg.model.name_or_path} | {cfg.trainer.steps} steps")
-    lines = batch_lines(cfg, world_size) + memory_lines(cfg, model_shape(cfg.model.name_or_path), world_size)
+    shape = model_shape(cfg.model.name_or_path)
+    lines = batch_lines(cfg, world_size) + memory_lines(cfg, shape, world_size) + gpu_lines(cfg, shape, world_size)
     lines.append(correctness_line(cfg))
     for line in lines:
         print(f"  {line}")

@@ -23,6 +23,7 @@ weights are pushed into woken memory and the check runs on what will sample.
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import os
 from collections.abc import Callable, Iterable
@@ -235,6 +236,13 @@ def lora_requests_wanted(rollout: RolloutConfig, on_cpu: bool) -> bool:
     return {"adapter": True, "merged": False, "auto": not on_cpu}[rollout.lora_push]
 
 
+def adapter_sleep_level(sleep_level: int) -> int:
+    """The sleep level for an engine that takes the adapters as LoRA requests: level 2 discards the engine's
+    weights, and that push never sends the base weights again, so the engine would sample from garbage;
+    level 1 keeps them in host memory."""
+    return min(sleep_level, 1)
+
+
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM 0.32 accepts
 
 
@@ -330,13 +338,16 @@ class VLLMEngine:
             kwargs.update(enable_lora=True, max_lora_rank=vllm_lora_rank(model.lora.rank), max_loras=1,
                           max_cpu_loras=2)
             self.adapters = "request"
+            if self.sleep_enabled and self.sleep_level == 2:
+                self.sleep_level = adapter_sleep_level(self.sleep_level)
+                logging.getLogger("grpo_cli.rollout").warning(
+                    "rollout.sleep_level=2 drops vLLM's weights, and with the adapters pushed as LoRA requests "
+                    "the base weights are never pushed again: sleeping at level 1 instead")
         try:
             self.llm = self._start(LLM, model_path, model, seed, show_progress, kwargs)
         except ValueError as e:  # "Qwen3NextForCausalLM does not support LoRA yet.": push merged weights instead
             if "does not support LoRA" not in str(e):
                 raise
-            import logging
-
             logging.getLogger("grpo_cli.rollout").warning(f"vLLM: {e}; pushing the merged weights instead")
             kwargs = {k: v for k, v in kwargs.items() if k not in ("enable_lora", "max_lora_rank", "max_loras",
                                                                     "max_cpu_loras")}

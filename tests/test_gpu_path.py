@@ -340,3 +340,70 @@ def test_check_counts_a_lora_run_as_a_frozen_base_in_its_dtype_and_fp32_adapters
     line = memory_lines(cfg, config, 1)[0]
     assert "1.1M base parameters in bfloat16" in line and "0.19M adapter parameters" in line
     assert "reference 0 GiB (the base with the adapters off)" in line
+
+
+def saved_bytes_per_token(model: torch.nn.Module, autocast: bool) -> float:
+    """What autograd keeps for the backward of `model`'s body per input token: the growth of the saved tensors
+    from 2 to 4 sequences of 64 tokens (what does not grow with the batch, such as autocast's bf16 copies of the
+    weights, cancels), each storage counted once, parameters left out."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    def saved(batch: int) -> int:
+        seen: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if t.untyped_storage().data_ptr() not in params:
+                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        ids = torch.randint(0, model.config.vocab_size, (batch, 64), generator=torch.Generator().manual_seed(batch))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+                torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            model.model(input_ids=ids)
+        return sum(seen.values())
+
+    return (saved(4) - saved(2)) / (2 * 64)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_check_activation_estimate_matches_what_autograd_saves(dtype, lora):
+    """`grpo check`'s activations per token (check.ACTIVATION_BYTES) against the tensors autograd saves in a
+    Qwen2-shaped model of a shape the table was not fitted on: fp32 as on the CPU, and bf16 as the trainer runs on
+    CUDA (autocast over fp32 master weights; with LoRA a bf16 base and fp32 adapters), here under the CPU's
+    autocast."""
+    from peft import get_peft_model
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from grpo_cli.check import activation_bytes_per_token
+    from grpo_cli.config import LoraConfig
+    from grpo_cli.lora import peft_config
+
+    shape = dict(vocab_size=300, hidden_size=384, intermediate_size=1536, num_hidden_layers=2, num_attention_heads=6,
+                 num_key_value_heads=2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(**shape, attn_implementation="sdpa"))
+    if lora:
+        model = get_peft_model(model.to(torch.bfloat16) if dtype == "bfloat16" else model,
+                               peft_config(LoraConfig(rank=16), "base")).base_model.model
+    measured = saved_bytes_per_token(model, autocast=dtype == "bfloat16")
+    estimate = activation_bytes_per_token(shape, dtype, lora)
+    assert estimate == pytest.approx(measured, rel=0.1), (estimate, measured)
+
+
+def test_the_7b_lora_recipe_fits_an_80_gb_gpu_and_sleeps_at_level_1(cli):
+    """`grpo check` on the 7B LoRA recipe (its shape from check.HUB_SHAPES: no download) prints each phase's GPU
+    memory, under 80 GiB at the peak; sleep level 2 would drop the base weights the adapter push never sends
+    again, so a LoRA run that pushes adapters sleeps at level 1."""
+    import re
+
+    out = cli("check", "recipe=bike_pricing_qwen7b_lora").stdout
+    assert "7615.6M base parameters in bfloat16" in out and "80.74M adapter parameters" in out
+    peak, generating, updating = map(float, re.search(r"peak ([\d.]+) GiB: ([\d.]+) while vLLM generates, ([\d.]+) "
+                                                      r"while the trainer updates", out).groups())
+    assert peak == max(generating, updating) < 80
+    assert "(sleep level 1)" in cli("check", "recipe=bike_pricing_qwen7b_lora", "rollout.sleep_level=2").stdout
+    assert "(sleep level 2)" in cli("check", "recipe=bike_pricing_qwen7b_lora", "rollout.sleep_level=2",
+                                    "rollout.lora_push=merged").stdout
+    assert "awake throughout" in cli("check", "recipe=bike_pricing_qwen7b_lora", "rollout.sleep_mode=off").stdout
+    assert "on a GPU" not in cli("check", "recipe=bike_pricing").stdout  # a CPU recipe: no GPU lines

@@ -361,6 +361,25 @@ def test_kill_9_then_resume_at_two_ranks_is_bit_exact_at_one_rank_works_and_back
     assert [m["step"] for m in metrics_of(copy)] == [0, 1, 2, 3, 4, 5, 6]
 
 
+def test_a_two_rank_lora_run_ends_with_the_adapters_of_a_one_rank_run(workdir):
+    """`grpo train` with LoRA adapters at 2 ranks (FSDP2 over the peft model, the prompts split, the adapters
+    gathered for the checkpoint) and at 1 (one thread, as each rank): the same adapters after 3 steps in peft's
+    files, and adapters that did move. Three steps of sampling, scoring and AdamW carry the float-order
+    differences further than the one update of the partition test (1e-5): 7.9e-6 relative at worst here, so the
+    bound is 3e-5."""
+    from safetensors.torch import load_file
+
+    args = ("model.lora.rank=4", "model.lora.lr=3e-3", "trainer.steps=3", "checkpoint.every=0", "eval.every=0")
+    runs = {ranks: train(workdir, f"lora_{ranks}", *args, ranks=ranks) for ranks in (2, 1)}
+    for ranks, done in runs.items():
+        assert done.returncode == 0, (ranks, done.stderr[-3000:])
+    adapters = [load_file(run_dir_of(workdir / f"lora_{ranks}") / "checkpoints" / "final" / "adapter_model.safetensors")
+                for ranks in (2, 1)]
+    assert_same_weights(adapters[1], adapters[0], rtol=3e-5)
+    assert max(float(v.abs().max()) for k, v in adapters[0].items() if "lora_B" in k) > 1e-3  # B starts at zero
+    assert "LoRA rank 4" in runs[2].stdout
+
+
 def test_ctrl_c_on_two_ranks_checkpoints_exits_130_and_leaves_no_rank(workdir):
     from grpo_cli.runs import step_checkpoints
 

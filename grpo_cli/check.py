@@ -93,7 +93,23 @@ def batch_lines(cfg: TrainConfig, world_size: int) -> list[str]:
         f"{'the trajectory cap' if r.multi_turn else 'rollout.max_new_tokens'}={r.trajectory_tokens}); micro-batches of "
         f"<= {t.micro_batch_size} completions" + (f" and <= {t.micro_batch_tokens} padded tokens" if t.micro_batch_tokens else ""),
         *tool_lines(cfg),
+        *staleness_lines(cfg),
     ]
+
+
+def staleness_lines(cfg: TrainConfig) -> list[str]:
+    """rollout.max_staleness: which weights sample each batch, and where the sampling runs."""
+    r = cfg.rollout
+    if not r.max_staleness:
+        return []
+    where = {"thread": "in a thread beside the update", "off": "after the update, in the loop's thread",
+             "auto": "in a thread beside the update on CUDA, after it on the CPU"}[r.overlap]
+    if r.placement == "split":
+        where = "on the generator rank while the trainer steps"
+    return [f"off-policy: the batch of step t is sampled from the weights after step t-1-{r.max_staleness} (the "
+            f"start's for steps 1-{r.max_staleness + 1}), {where}" + (f" (rollout.overlap={r.overlap})" if r.placement != "split" else "")
+            + "; the engine "
+            "does not sleep"]
 
 
 def tool_lines(cfg: TrainConfig) -> list[str]:
@@ -222,6 +238,16 @@ def gpu_lines(cfg: TrainConfig, shape: dict[str, Any] | None, world_size: int) -
         + f", {(updating + asleep) / gib:.1f} while the trainer updates"]
 
 
+def placement_line(cfg: TrainConfig, shape: dict[str, Any] | None) -> str:
+    """rollout.placement=split: which rank does what, and what the generator rank holds."""
+    engine = "a vLLM engine"
+    if shape is not None:
+        weights = parameter_count(shape) * {"float32": 4, "bfloat16": 2, "float16": 2}[cfg.model.dtype] / 2**30
+        engine += f" (weights {weights:.2f} GiB + KV cache {cfg.rollout.kv_cache_gib:g} GiB)"
+    return (f"placement: split; rank 0 trains alone (the memory above: no FSDP2, no engine), rank 1 only "
+            f"generates with {engine}; the weights go to it tensor by tensor after every optimizer step")
+
+
 def correctness_line(cfg: TrainConfig) -> str:
     """Which reward is the correctness check, and what it decides."""
     i, spec = next((i, s) for i, s in enumerate(cfg.rewards) if s.correctness or len(cfg.rewards) == 1)
@@ -266,7 +292,11 @@ def run_check(cfg: TrainConfig, run_dir: Any) -> int:
     world_size = max(cfg.dist.world_size, int(os.environ.get("WORLD_SIZE", "1")))  # dist.* or plain torchrun
     print(f"grpo check: {cfg.task} | model {cfg.model.name_or_path} | {cfg.trainer.steps} steps")
     shape = model_shape(cfg.model.name_or_path)
-    lines = batch_lines(cfg, world_size) + memory_lines(cfg, shape, world_size) + gpu_lines(cfg, shape, world_size)
+    split = cfg.rollout.placement == "split"
+    trainers = 1 if split else world_size
+    lines = batch_lines(cfg, trainers) + memory_lines(cfg, shape, trainers) + gpu_lines(cfg, shape, trainers)
+    if split:
+        lines.append(placement_line(cfg, shape))
     lines.append(correctness_line(cfg))
     for line in lines:
         print(f"  {line}")

@@ -431,6 +431,8 @@ def _make_app(command: str) -> Callable[[], Any]:
             if rank() == 0:  # one process of a job writes the run's files
                 OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
         who = f"rank {rank()}: " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+        if who and getattr(getattr(config, "rollout", None), "placement", "") == "split":
+            who = f"{'generator' if rank() else 'trainer'} {who}"
         module_name, func_name = spec.runner.split(":")
         try:
             import importlib
@@ -566,6 +568,17 @@ def main(argv: list[str] | None = None) -> int:
             _fail(command, f"WORLD_SIZE={os.environ['WORLD_SIZE']}: 'grpo {command}' runs in one process; "
                   "only 'grpo train' runs over several")
         global _RUN_NAME
-        launch.join_job(config.dist.timeout_s if config is not None else 600)
-        _RUN_NAME = launch.share_from_rank0(_RUN_NAME)  # one run directory for the whole job
+        timeout_s = config.dist.timeout_s if config is not None else 600
+        if config is not None and config.rollout.placement == "split":  # no default group (dist/channel.py)
+            from grpo_cli.dist import channel
+
+            launch.die_with_parent()
+            line = channel.connect(launch.rank(), timeout_s)
+            if launch.rank() == 0:
+                line.send(_RUN_NAME)
+            else:
+                _RUN_NAME = line.recv()  # one run directory for the whole job
+        else:
+            launch.join_job(timeout_s)
+            _RUN_NAME = launch.share_from_rank0(_RUN_NAME)  # one run directory for the whole job
     return _run_hydra(command, rest)

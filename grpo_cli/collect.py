@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from grpo_cli.config import TrainConfig
 from grpo_cli.rewards import RewardFailures, Scores
-from grpo_cli.rollout import Rollouts
+from grpo_cli.rollout import Rollouts, Sampling
 
 if TYPE_CHECKING:
     import torch
@@ -100,15 +100,21 @@ def sample_groups(state: RunState, cfg: TrainConfig, step: int, round_index: int
     Seeds are a pure function of (run seed, step, round, prompt): round 0 uses the training
     stream 0, a dynamic-sampling round r >= 1 the stream r + 1 (stream 1 is evaluation's).
     """
-    from grpo_cli.rollout import Sampling, sample_seeds
+    rows, prompt_ids, sampling, seeds = draw_prompts(state, cfg, step, round_index)
+    return rows, prompt_ids, state.engine.generate(prompt_ids, sampling, seeds, rows)
+
+
+def draw_prompts(state: RunState, cfg: TrainConfig, step: int, round_index: int = 0
+                 ) -> tuple[list[dict[str, Any]], list[list[int]], Sampling, list[int]]:
+    """The step's prompts from the cursor: their rows, token ids, the sampling settings and one seed each."""
+    from grpo_cli.rollout import sample_seeds
 
     r_cfg, task = cfg.rollout, state.task
     rows = [task.train_rows[i] for i in state.cursor.take(r_cfg.prompts_per_step, step)]
     prompt_ids = [task.encode(row) for row in rows]
     stream = 0 if round_index == 0 else round_index + 1
     sampling = Sampling(r_cfg.group_size, r_cfg.temperature, r_cfg.top_p, r_cfg.max_new_tokens)
-    rollouts = state.engine.generate(prompt_ids, sampling, sample_seeds(cfg.trainer.seed, step, len(rows), stream), rows)
-    return rows, prompt_ids, rollouts
+    return rows, prompt_ids, sampling, sample_seeds(cfg.trainer.seed, step, len(rows), stream)
 
 
 def score_groups(rows: list[dict[str, Any]], prompt_ids: list[list[int]], rollouts: Rollouts,

@@ -144,6 +144,9 @@ class RolloutConfig:
     dynamic_sampling: bool = False  # DAPO: sample more prompts until prompts_per_step groups have reward variance
     max_sampling_rounds: int = 4  # dynamic sampling: at most this many rounds of prompts_per_step prompts a step
     tensor_parallel_size: int = 1  # consecutive ranks that share one vLLM engine (tensor parallel); 1 = an engine per rank
+    max_staleness: int = 0  # K: the batch of step t is sampled from the weights after step t-1-K, while step t-1 trains (docs/async.md); 0 = on-policy, no overlap
+    placement: str = "colocated"  # "colocated": an engine in every rank, every rank trains | "split": rank 0 trains alone, rank 1 only generates (dist.nproc_per_node=2; docs/async.md)
+    overlap: str = "auto"  # max_staleness > 0: "thread" samples beside the update, "off" after it (the same batches); "auto": thread on CUDA, off on the CPU (slower there)
     # Tools (docs/tools.md): with any listed, a rollout is a conversation: the model's turns, each tool's reply.
     tools: list[ToolSpec] = field(default_factory=list)  # tools the model may call mid-rollout; [] = one completion per sample
     environment: EnvironmentSpec = field(default_factory=EnvironmentSpec)  # a class whose methods are tools, with state per sample
@@ -172,6 +175,24 @@ class RolloutConfig:
         _require(self.tensor_parallel_size == 1 or self.engine == "vllm", "rollout.tensor_parallel_size",
                  "splits a vLLM engine; rollout.engine=hf runs one per rank (set it to 1)")
         _require(self.max_sampling_rounds >= 1, "rollout.max_sampling_rounds", "must be >= 1")
+        _require(self.max_staleness >= 0, "rollout.max_staleness", "must be >= 0 (0 = on-policy)")
+        _require(self.placement in ("colocated", "split"), "rollout.placement",
+                 f"'{self.placement}' is not one of colocated, split")
+        _require(self.placement == "colocated" or (self.engine == "vllm" and self.tensor_parallel_size == 1),
+                 "rollout.placement", "split gives the generator rank a vLLM engine of its own: needs "
+                 "rollout.engine=vllm and rollout.tensor_parallel_size=1")
+        _require(self.overlap in ("auto", "thread", "off"), "rollout.overlap",
+                 f"'{self.overlap}' is not one of auto, thread, off")
+        if self.max_staleness:  # the engine samples while the trainer steps (docs/async.md)
+            _require(self.engine == "vllm", "rollout.max_staleness",
+                     "needs rollout.engine=vllm: the hf engine samples from the very module the trainer updates")
+            _require(self.tensor_parallel_size == 1, "rollout.max_staleness",
+                     "needs rollout.tensor_parallel_size=1: a tensor-parallel engine's collectives would run beside "
+                     "the trainer's")
+            _require(self.sleep_mode != "on", "rollout.max_staleness",
+                     "samples while the trainer steps, so the engine cannot sleep then; set rollout.sleep_mode=auto or off")
+            _require(not self.dynamic_sampling, "rollout.max_staleness",
+                     "does not combine with rollout.dynamic_sampling yet (its rounds wait on the rewards)")
         _require(self.lora_push in ("auto", "adapter", "merged"), "rollout.lora_push",
                  f"'{self.lora_push}' is not one of auto, adapter, merged")
         _require(self.sleep_mode in ("auto", "on", "off"), "rollout.sleep_mode",
@@ -370,10 +391,19 @@ class TrainConfig:
                  "rollout.push_check_tol", f"{self.rollout.push_check_tol} is below {self.model.dtype}'s round-off, "
                  "which alone moves the engine's and the trainer's logprobs further; set it to 0.05 (or turn the "
                  "check off with rollout.push_check_every=0)")
+        _require(not (self.rollout.max_staleness and self.trainer.offload_optimizer), "trainer.offload_optimizer",
+                 "moves AdamW's state out while the engine samples, which with rollout.max_staleness > 0 is while "
+                 "the trainer steps; turn one of them off")
         _require(self.trainer.minibatches <= self.rollout.prompts_per_step, "trainer.minibatches",
                  f"{self.trainer.minibatches} exceeds rollout.prompts_per_step={self.rollout.prompts_per_step}: "
                  "minibatches split the step's groups")
         world = self.dist.world_size
+        _require(self.rollout.placement == "colocated" or (world == 2 and self.dist.nnodes == 1), "rollout.placement",
+                 f"split runs one trainer rank and one generator rank on one node: set dist.nproc_per_node=2 and "
+                 f"dist.nnodes=1 (not {self.dist.nproc_per_node} x {self.dist.nnodes} processes; more of either kind "
+                 "is not built yet)")
+        if self.rollout.placement == "split":
+            world = 1  # the trainer's share: every prompt of the step
         _require(world % self.rollout.tensor_parallel_size == 0, "rollout.tensor_parallel_size",
                  f"{self.rollout.tensor_parallel_size} does not divide the {world} processes (dist.nproc_per_node x "
                  "dist.nnodes): each engine spans that many of them")

@@ -19,8 +19,9 @@ REWARD_PREFIX = "reward/"
 # reward/* keys that are not a reward function's mean
 REWARD_STATS = ("reward/mean", "reward/std", "reward/failures", "reward/dropped", "reward/kl_penalty")
 # the step-time split, in loop order; sleep: vLLM's sleep and wake-ups (and the optimizer-state offload)
-TIME_PARTS = ("generate", "reward", "logprobs", "update", "push", "sleep")
-TIME_SHORT = {"generate": "gen", "reward": "rew", "logprobs": "lp", "update": "upd", "push": "push", "sleep": "slp"}
+TIME_PARTS = ("generate", "reward", "logprobs", "update", "wait_rollouts", "push", "sleep")
+TIME_SHORT = {"generate": "gen", "reward": "rew", "logprobs": "lp", "update": "upd", "wait_rollouts": "wait", "push": "push",
+              "sleep": "slp"}
 
 
 class StepTimer(dict):
@@ -102,7 +103,9 @@ def step_metrics(step: int, groups: Groups, batch: TrainBatch, stats: dict[str, 
         "sampling/rounds": groups.rounds,  # > 1 only with rollout.dynamic_sampling
         "sampling/groups": len(groups.rows),
         "samples": len(lengths),
-        "tokens_per_s": rollouts.num_tokens / max(timings["generate"], 1e-9),
+        # sampling speed; with rollout.max_staleness > 0 the batch was sampled beside an earlier step
+        # (ahead.staleness_metrics)
+        **({"tokens_per_s": rollouts.num_tokens / max(timings["generate"], 1e-9)} if "generate" in timings else {}),
         "train_tokens": batch.train_tokens,  # kept samples' prompt + completion tokens (each prompt runs once)
         "train_tokens_per_s": batch.train_tokens / max(timings["logprobs"] + timings["update"], 1e-9),
         **{f"time/{k}": v for k, v in timings.items()},

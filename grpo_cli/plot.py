@@ -17,7 +17,7 @@ from typing import Any
 from grpo_cli.errors import UsageError
 from grpo_cli.metrics import REWARD_STATS, TIME_PARTS
 
-TIME_COLORS = ("#66c2a5", "#fc8d62", "#8da0cb", "#e78ac3", "#a6d854", "#ffd92f")  # a palette apart from the runs' C0, C1, ...
+TIME_COLORS = ("#66c2a5", "#fc8d62", "#8da0cb", "#e78ac3", "#a6d854", "#ffd92f", "#b3b3b3")  # a palette apart from the runs' C0, C1, ...
 PLOT_SUFFIXES = (".png", ".pdf", ".svg")
 SMOOTHING = 0.9  # weight of the past in the smoothed line drawn over a noisy per-step series (as trackers do)
 

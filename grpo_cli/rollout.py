@@ -723,24 +723,35 @@ class ShardedEngine(WrappedEngine):
 
     def generate(self, prompt_ids: list[list[int]], sampling: Sampling, seeds: list[int],
                  rows: list[dict] | None = None) -> Rollouts:
-        from grpo_cli.dist import contiguous_share
-
-        mine = contiguous_share(len(prompt_ids), self.dist.rank // self.tp, self.dist.world_size // self.tp)
-        part = self.engine.generate(prompt_ids[mine.start:mine.stop], sampling, seeds[mine.start:mine.stop],
-                                    rows[mine.start:mine.stop] if rows is not None else None) \
-            if len(mine) else \
-            Rollouts([], [], [], [], [])
-        if isinstance(self.engine, HFEngine) and not len(mine):
+        part = self.generate_share(prompt_ids, sampling, seeds, rows)
+        if isinstance(self.engine, HFEngine) and not part.prompt_ids:
             from grpo_cli.dist.shard import gathered
 
             with gathered(self.engine.policy):  # pairs with the other ranks' gather in HFEngine.generate
                 pass
+        return self.gather_shares(part)
+
+    def generate_share(self, prompt_ids: list[list[int]], sampling: Sampling, seeds: list[int],
+                       rows: list[dict] | None = None) -> Rollouts:
+        """This engine's share of the prompts, sampled; no collective (a vLLM engine of one rank)."""
+        from grpo_cli.dist import contiguous_share
+
+        mine = contiguous_share(len(prompt_ids), self.dist.rank // self.tp, self.dist.world_size // self.tp)
+        if not len(mine):
+            return Rollouts([], [], [], [], [])
+        return self.engine.generate(prompt_ids[mine.start:mine.stop], sampling, seeds[mine.start:mine.stop],
+                                    rows[mine.start:mine.stop] if rows is not None else None)
+
+    def gather_shares(self, part: Rollouts) -> Rollouts:
+        """Every engine's share, in prompt order (a collective)."""
         return Rollouts.concat(self.dist.gather(part)[:: self.tp])  # one copy per engine (its TP ranks agree)
 
 
 def sleep_wanted(rollout: RolloutConfig, trainer_device: torch.device | str) -> bool:
-    """rollout.sleep_mode: "auto" sleeps when the trainer is on CUDA too (one GPU, shared)."""
-    return {"on": True, "off": False, "auto": str(trainer_device).startswith("cuda")}[rollout.sleep_mode]
+    """rollout.sleep_mode: "auto" sleeps when the trainer is on CUDA too (one GPU, shared), unless the engine samples
+    while the trainer steps (rollout.max_staleness > 0)."""
+    auto = str(trainer_device).startswith("cuda") and not rollout.max_staleness
+    return {"on": True, "off": False, "auto": auto}[rollout.sleep_mode]
 
 
 def build_engine(cfg: TrainConfig, model_path: str, policy: torch.nn.Module, tokenizer: Any, dist: Dist,
@@ -753,6 +764,11 @@ def build_engine(cfg: TrainConfig, model_path: str, policy: torch.nn.Module, tok
                                    sleep=sleep_wanted(cfg.rollout, dist.device), world_size=dist.world_size),
         "hf": lambda: HFEngine(policy, tokenizer, lambda: dist.autocast(cfg.model.dtype)),
     }
+    if cfg.rollout.placement == "split":  # the generator rank's engine (its tools run there too)
+        from grpo_cli.dist.channel import current
+        from grpo_cli.generator import RemoteEngine
+
+        return RemoteEngine(current(), tokenizer, model_path)
     engine = builders[cfg.rollout.engine]()
     engine = wrap(engine) if wrap else engine
     return ShardedEngine(engine, dist, cfg.rollout.tensor_parallel_size) if dist.world_size > 1 else engine

@@ -249,7 +249,7 @@ def start_run(cfg: TrainConfig, task: Task, run_dir: Path, engine: Engine | None
     from grpo_cli.optim import build_optimizer
     from grpo_cli.rollout import build_engine
 
-    dist = Dist.init(cfg.trainer.device)
+    dist = Dist.init(cfg.trainer.device, alone=cfg.rollout.placement == "split")
     start = resume_or_start(cfg, run_dir, task.model_path)
     lora = cfg.model.lora
     if lora.enabled:  # the base, frozen, in model.dtype; the adapters on top (fp32), a resume's from its checkpoint

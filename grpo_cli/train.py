@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from grpo_cli.config import TrainConfig
 
 if TYPE_CHECKING:
+    from grpo_cli.ahead import RolloutsAhead
     from grpo_cli.collect import Groups
     from grpo_cli.dist import Dist
     from grpo_cli.rollout import Engine
@@ -38,9 +39,11 @@ def run(cfg: TrainConfig, run_dir: Path, engine: Engine | None = None) -> int:
     from grpo_cli.runtime import quiet_third_party
 
     quiet_third_party(cfg.logging.verbose_libraries)  # before vLLM/datasets/transformers are imported
+    from grpo_cli.ahead import RolloutsAhead, staleness_metrics
     from grpo_cli.batch import TrainBatch
     from grpo_cli.collect import collect_groups
     from grpo_cli.dist import COLLECTIVE_SECONDS
+    from grpo_cli.generator import GENERATOR_RANK, RemoteEngine, serve
     from grpo_cli.metrics import StepTimer, rank_metrics, step_metrics
     from grpo_cli.setup import preflight, setup_torch, start_run
     from grpo_cli.sync import maybe_push_check, push_to_engine, release_engine
@@ -50,37 +53,54 @@ def run(cfg: TrainConfig, run_dir: Path, engine: Engine | None = None) -> int:
 
     task = preflight(cfg)  # data, rewards, model files, prompt lengths: before any model loads
     setup_torch(cfg.trainer)
+    if cfg.rollout.placement == "split" and int(os.environ.get("RANK", "0")) == GENERATOR_RANK:
+        from grpo_cli.dist.channel import current
+
+        return serve(cfg, task, run_dir, current())  # a vLLM engine answering the trainer rank (docs/async.md)
     state = start_run(cfg, task, run_dir, engine)  # models, engine, optimizer, cursor; a resume's state put back
     t_cfg, params, started, exit_code = cfg.trainer, loss_params(cfg), time.time(), 0
     out = RunOutput(cfg, run_dir, state.history, state.dist)  # metrics.jsonl (+ wandb), the console, warnings
     stop = GracefulStop()  # Ctrl-C: finish the step, checkpoint, exit 130; a second one exits at once
     guard = NonFiniteGuard(t_cfg.max_bad_steps)
+    ahead = RolloutsAhead(state, cfg, (state.start.state or {}).get("rollouts_ahead")) \
+        if cfg.rollout.max_staleness else None
     try:
         out.header(task.model_path, state)
         if state.start.step == 0:
             out.record({"step": 0, **heldout_eval(state, cfg, 0)})
         else:
             out.resumed(state.start)
+        if ahead is not None:  # rollout.max_staleness = K: the first K batches, from the start's weights
+            ahead.fill(state.start.step + 1, state.start.step)
         for step in range(state.start.step + 1, t_cfg.steps + 1):
             timings, collective_start = StepTimer(), COLLECTIVE_SECONDS[0]
-            groups = collect_groups(state, cfg, step, timings)  # [P, G]
-            release_engine(state, t_cfg, timings)  # vLLM sleeps while the trainer steps
+            if ahead is None:
+                groups = collect_groups(state, cfg, step, timings)  # [P, G]
+                release_engine(state, t_cfg, timings)  # vLLM sleeps while the trainer steps
+            else:  # sampled from the weights after step - 1 - K; step + K's batch starts sampling now
+                groups, sampled = ahead.take(step, timings)  # [P, G]
             batch = TrainBatch.build(groups, task.tokenizer.pad_token_id, t_cfg, state.dist, params)
             with timings("logprobs"):  # the reference's, and the policy's before the update when it can move
                 penalty = fill_logprobs(state, batch, groups, cfg)
             with timings("update"):
                 stats = {**update(state, batch, params, cfg), **penalty}
             guard.check(stats, step, out.console.warn)
+            if ahead is not None:
+                ahead.finish(timings)  # the batch sampled beside the update, before the engine's weights change
             push_to_engine(state, t_cfg, timings)  # wake weights, push, wake KV cache
             stats.update(maybe_push_check(state, batch, step, cfg.rollout, cfg.model.dtype))
 
             metrics = step_metrics(step, groups, batch, stats, timings, state.scheduler.get_last_lr()[0], started)
+            if ahead is not None:
+                metrics.update(staleness_metrics(step, sampled))
             metrics.update(rank_metrics(state.dist, COLLECTIVE_SECONDS[0] - collective_start))
+            if isinstance(state.engine, RemoteEngine):  # rollout.placement=split: the generator rank's too
+                metrics["memory/generator_peak_rss_gib"] = state.engine.peak_rss_gib()
             metrics.update(maybe_heldout_eval(state, cfg, step))
             out.record(metrics)
             last = step == t_cfg.steps
             stopping = state.dist.any(stop.requested)  # one decision for all ranks (Ctrl-C may reach only some)
-            maybe_checkpoint(state, metrics, cfg, save_now=last or stopping)
+            maybe_checkpoint(state, metrics, cfg, save_now=last or stopping, ahead=ahead)
             out.after_step(metrics, groups, step, task.tokenizer)  # zero-variance warning, sample completions
             if stopping and not last:
                 out.console.warn(f"interrupted at step {step}: checkpoint saved; continue with the same command "
@@ -89,9 +109,13 @@ def run(cfg: TrainConfig, run_dir: Path, engine: Engine | None = None) -> int:
                 break
     finally:
         stop.restore()
+        if ahead is not None:
+            ahead.close()
         out.close()
         close_tools(task.tools)  # the tools' and the environment's workers
     state.dist.barrier()  # every rank is done; then a normal exit (destroy_process_group aborts on gloo: docs/design.md)
+    if isinstance(state.engine, RemoteEngine):
+        state.engine.close()  # the generator rank stops
     if state.dist.is_main:
         out.summary(time.time() - started)
     return exit_code
@@ -119,6 +143,8 @@ class RunOutput:
         the loggers' notes (e.g. wandb offline)."""
         cfg, world = self.cfg, self.dist.world_size
         ranks = f" | {world} processes (FSDP2, an engine each)" if world > 1 else ""
+        if cfg.rollout.placement == "split":
+            ranks = " | 2 processes: rank 0 trains, rank 1 generates (rollout.placement=split)"
         self.console.info(f"grpo train: {cfg.task} | model {model_path} | engine {cfg.rollout.engine} | "
                           f"{cfg.trainer.steps} steps of {cfg.rollout.prompts_per_step} prompts x "
                           f"{cfg.rollout.group_size}{ranks} | run dir {self.run_dir}")
@@ -205,9 +231,11 @@ def heldout_eval(state: RunState, cfg: TrainConfig, step: int) -> dict[str, floa
     return state.dist.broadcast(flatten(metrics))
 
 
-def maybe_checkpoint(state: RunState, metrics: dict[str, Any], cfg: TrainConfig, save_now: bool) -> None:
+def maybe_checkpoint(state: RunState, metrics: dict[str, Any], cfg: TrainConfig, save_now: bool,
+                     ahead: RolloutsAhead | None = None) -> None:
     """The best model by held-out pass@1, and a resumable checkpoint every checkpoint.every steps, at the
-    end and when `save_now`; `state.best_pass` follows the best."""
+    end and when `save_now` (with the batches sampled ahead, rollout.max_staleness); `state.best_pass` follows
+    the best."""
     from grpo_cli.checkpoint import STEP_PREFIX, checkpoint_info, save_checkpoint, trainer_state
     from grpo_cli.runs import prune_checkpoints
 
@@ -220,7 +248,8 @@ def maybe_checkpoint(state: RunState, metrics: dict[str, Any], cfg: TrainConfig,
         name = "final" if step == cfg.trainer.steps else f"{STEP_PREFIX}{step:06d}"
         save_checkpoint(state.policy, state.task.tokenizer, checkpoints / name, info,
                         trainer_state(state.optimizer, state.scheduler, state.cursor, state.best_pass,
-                                      state.start.schedule_steps),
+                                      state.start.schedule_steps)
+                        | ({"rollouts_ahead": ahead.state_dict()} if ahead is not None else {}),
                         optimizer=state.optimizer, dist=state.dist)
         if state.dist.is_main:
             prune_checkpoints(state.run_dir, cfg.checkpoint.keep_last)

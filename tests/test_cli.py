@@ -270,6 +270,16 @@ def test_check_prints_the_batch_arithmetic_and_warns_about_settings_that_do_noth
     two = cli("check", "recipe=bike_pricing", "dist.nproc_per_node=2")  # reads the process count, starts nothing
     assert two.returncode == 0, two.stderr
     assert "per rank (2): 4 prompts, 32 completions" in two.stdout
+    ahead = cli("check", "recipe=bike_pricing", "rollout.max_staleness=2", "rollout.overlap=off")
+    assert "the batch of step t is sampled from the weights after step t-1-2 (the start's for steps 1-3), after " \
+           "the update" in ahead.stdout
+    assert "off-policy" not in two.stdout
+    split = cli("check", "recipe=bike_pricing", "rollout.placement=split", "dist.nproc_per_node=2",
+                "rollout.max_staleness=1")
+    assert split.returncode == 0, split.stderr
+    assert "per rank (1): 8 prompts, 64 completions" in split.stdout  # the trainer rank takes every prompt
+    assert "on the generator rank while the trainer steps" in split.stdout
+    assert "placement: split; rank 0 trains alone" in split.stdout and "rank 1 only generates" in split.stdout
 
     warned = cli("check", "recipe=bike_pricing", "trainer.policy_loss=gspo", "rollout.group_size=2")
     assert warned.returncode == 0, warned.stderr

@@ -9,7 +9,7 @@ import re
 import pytest
 
 from grpo_cli import config as schema
-from grpo_cli.config import ConfigError, RewardSpec, RolloutConfig, TrainConfig, TrainerConfig
+from grpo_cli.config import ConfigError, DistConfig, RewardSpec, RolloutConfig, TrainConfig, TrainerConfig
 
 
 def all_dataclasses():
@@ -60,3 +60,28 @@ def test_trainer_loss_accepts_exactly_the_losses_table():
         assert TrainerConfig(loss=name).loss == name
     accepted = re.search(r"is not one of (.*)$", str(pytest.raises(ConfigError, TrainerConfig, loss="x").value))
     assert sorted(accepted.group(1).split(", ")) == sorted(LOSSES)
+
+
+@pytest.mark.parametrize(("build", "message"), [
+    (lambda: RolloutConfig(max_staleness=1, engine="hf"), "rollout.max_staleness: needs rollout.engine=vllm"),
+    (lambda: RolloutConfig(max_staleness=1, sleep_mode="on"), "rollout.max_staleness: samples while the trainer"),
+    (lambda: RolloutConfig(max_staleness=1, tensor_parallel_size=2), "rollout.max_staleness: needs rollout.tensor_"),
+    (lambda: RolloutConfig(max_staleness=1, dynamic_sampling=True), "rollout.max_staleness: does not combine"),
+    (lambda: RolloutConfig(max_staleness=-1), "rollout.max_staleness: must be >= 0"),
+    (lambda: RolloutConfig(overlap="sometimes"), "rollout.overlap: 'sometimes' is not one of auto, thread, off"),
+    (lambda: TrainConfig(task="t", rewards=[RewardSpec(name="correct")], rollout=RolloutConfig(max_staleness=1),
+                         trainer=TrainerConfig(offload_optimizer=True)), "trainer.offload_optimizer: moves AdamW's"),
+    (lambda: RolloutConfig(placement="apart"), "rollout.placement: 'apart' is not one of colocated, split"),
+    (lambda: RolloutConfig(placement="split", engine="hf"), "rollout.placement: split gives the generator rank"),
+    (lambda: TrainConfig(task="t", rewards=[RewardSpec(name="correct")], rollout=RolloutConfig(placement="split")),
+     "rollout.placement: split runs one trainer rank and one generator rank on one node"),
+    (lambda: TrainConfig(task="t", rewards=[RewardSpec(name="correct")], rollout=RolloutConfig(placement="split"),
+                         dist=DistConfig(nproc_per_node=1, nnodes=2)), "rollout.placement: split runs one trainer"),
+])
+def test_settings_that_cannot_sample_ahead_or_split_are_refused(build, message):
+    """rollout.max_staleness > 0 samples while the trainer steps: what cannot run beside the update is refused
+    with the key that decides it, before any model loads."""
+    with pytest.raises(ConfigError) as err:
+        build()
+    assert str(err.value).startswith(message)
+    RolloutConfig(max_staleness=1, sleep_mode="auto")  # auto turns sleep off for it (rollout.sleep_wanted)

@@ -47,8 +47,9 @@ class Dist:
     device: torch.device | str = "cpu"  # the device every tensor of the loop is made on
 
     @classmethod
-    def init(cls, device: str = "cpu") -> Dist:
-        """This process's place in the job, from the launcher's environment (none: one process).
+    def init(cls, device: str = "cpu", alone: bool = False) -> Dist:
+        """This process's place in the job, from the launcher's environment (none: one process). `alone`: the
+        trainer rank of a split job (rollout.placement=split), which trains by itself.
 
         `device` is trainer.device: "auto" is cuda:LOCAL_RANK when CUDA is present, else the CPU.
         """
@@ -63,7 +64,7 @@ class Dist:
         if chosen.type == "cuda":
             torch.cuda.set_device(chosen)
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        if world_size == 1:
+        if world_size == 1 or alone:
             return cls(device=chosen)
         import torch.distributed as torch_dist
 

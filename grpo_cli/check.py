@@ -106,10 +106,10 @@ def staleness_lines(cfg: TrainConfig) -> list[str]:
              "auto": "in a thread beside the update on CUDA, after it on the CPU"}[r.overlap]
     if r.placement == "split":
         where = "on the generator rank while the trainer steps"
+    overlap = f" (rollout.overlap={r.overlap})" if r.placement != "split" else ""
     return [f"off-policy: the batch of step t is sampled from the weights after step t-1-{r.max_staleness} (the "
-            f"start's for steps 1-{r.max_staleness + 1}), {where}" + (f" (rollout.overlap={r.overlap})" if r.placement != "split" else "")
-            + "; the engine "
-            "does not sleep"]
+            f"start's for steps 1-{r.max_staleness + 1}), {where}{overlap}; the engine does not sleep; "
+            f"trainer.mismatch_correction={cfg.trainer.mismatch_correction}"]
 
 
 def tool_lines(cfg: TrainConfig) -> list[str]:

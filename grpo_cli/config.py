@@ -246,7 +246,7 @@ class TrainerConfig:
     reward_round_decimals: int | None = None  # round summed rewards before normalising (damps noise in graded rewards)
     filter_zero_variance: bool = False  # drop groups whose rewards are all equal from the loss
     loss: str = "grpo"  # aggregation: "grpo" (per-sequence token mean) | "token_mean" (DAPO) | "dr_grpo" (sum / max_new_tokens)
-    mismatch_correction: str = "none"  # vs the engine's sampling logprobs: "none" | "tis" (capped token weights) | "seq_mask"
+    mismatch_correction: str = "auto"  # vs the engine's sampling logprobs: "none" | "tis" (capped token weights) | "seq_mask"; "auto": tis when rollout.max_staleness > 0 (docs/async.md), else none
     tis_cap: float = 2.0  # tis: cap C on the importance weight exp(trainer logp - engine logp) of each token
     seq_mask_low: float = 0.5  # seq_mask: a sample whose geometric-mean ratio trainer/engine is below this leaves the loss...
     seq_mask_high: float = 2.0  # ...and so does one above this
@@ -282,7 +282,7 @@ class TrainerConfig:
         for key, value, names in (("loss", self.loss, LOSS_NAMES), ("policy_loss", self.policy_loss, POLICY_LOSS_NAMES),
                                   ("kl_estimator", self.kl_estimator, KL_ESTIMATOR_NAMES),
                                   ("advantage", self.advantage, ADVANTAGE_NAMES),
-                                  ("mismatch_correction", self.mismatch_correction, CORRECTION_NAMES)):
+                                  ("mismatch_correction", self.mismatch_correction, (*CORRECTION_NAMES, "auto"))):
             _require(value in names, f"trainer.{key}", f"'{value}' is not one of {', '.join(names)}")
         _require(self.clip_ratio_c is None or self.clip_ratio_c > 1, "trainer.clip_ratio_c", "must be > 1 or null")
         _require(self.tis_cap > 0, "trainer.tis_cap", "must be > 0")
@@ -379,6 +379,8 @@ class TrainConfig:
     dist: DistConfig = field(default_factory=DistConfig)  # processes and nodes (torchrun, FSDP2, a vLLM engine per rank)
 
     def __post_init__(self) -> None:
+        if self.trainer.mismatch_correction == "auto":  # samples from older weights: reweigh the gap (docs/async.md)
+            self.trainer.mismatch_correction = "tis" if self.rollout.max_staleness else "none"
         _require(len(self.rewards) > 0, "rewards", "no reward functions; add e.g. rewards=[{name:correct,weight:1.0}]")
         for i, spec in enumerate(self.rewards):
             _require(spec.weight == spec.weight, f"rewards[{i}].weight", "is NaN")

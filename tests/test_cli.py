@@ -278,7 +278,8 @@ def test_check_prints_the_batch_arithmetic_and_warns_about_settings_that_do_noth
                 "rollout.max_staleness=1")
     assert split.returncode == 0, split.stderr
     assert "per rank (1): 8 prompts, 64 completions" in split.stdout  # the trainer rank takes every prompt
-    assert "on the generator rank while the trainer steps" in split.stdout
+    assert "on the generator rank while the trainer steps; the engine does not sleep; " \
+           "trainer.mismatch_correction=tis" in split.stdout  # auto: tis with stale samples
     assert "placement: split; rank 0 trains alone" in split.stdout and "rank 1 only generates" in split.stdout
 
     warned = cli("check", "recipe=bike_pricing", "trainer.policy_loss=gspo", "rollout.group_size=2")

@@ -85,3 +85,11 @@ def test_settings_that_cannot_sample_ahead_or_split_are_refused(build, message):
         build()
     assert str(err.value).startswith(message)
     RolloutConfig(max_staleness=1, sleep_mode="auto")  # auto turns sleep off for it (rollout.sleep_wanted)
+
+
+@pytest.mark.parametrize(("staleness", "asked", "runs"), [(0, "auto", "none"), (1, "auto", "tis"), (2, "auto", "tis"),
+                                                          (1, "none", "none"), (0, "seq_mask", "seq_mask")])
+def test_mismatch_correction_auto_is_tis_exactly_when_samples_are_stale(staleness, asked, runs):
+    cfg = TrainConfig(task="t", rewards=[RewardSpec(name="correct")], rollout=RolloutConfig(max_staleness=staleness),
+                      trainer=TrainerConfig(mismatch_correction=asked))
+    assert cfg.trainer.mismatch_correction == runs

@@ -100,6 +100,13 @@ class RolloutsAhead:
         # (step, policy version, rows, prompt ids, the call that waits for (rollouts, seconds), beside the update?)
         self.running: tuple[int, int, list[dict[str, Any]], list[list[int]], Callable, bool] | None = None
 
+    @classmethod
+    def wanted(cls, state: RunState, cfg: TrainConfig) -> RolloutsAhead | None:
+        """The run's batches ahead with rollout.max_staleness > 0 (a resume's, from its trainer state), else None."""
+        if not cfg.rollout.max_staleness:
+            return None
+        return cls(state, cfg, (state.start.state or {}).get("rollouts_ahead"))
+
     def fill(self, first_step: int, current_version: int) -> None:
         """Before the loop: sample now, from the weights the engine holds, the batches of steps first_step ..
         first_step+K-1 that are not here (all of them in a new run; none after a resume from a checkpoint

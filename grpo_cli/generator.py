@@ -10,10 +10,10 @@ generator's engine. The generator runs `serve`: it answers calls in the order th
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from collections.abc import Callable, Iterable, Iterator
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from grpo_cli.config import TrainConfig
@@ -104,12 +104,31 @@ class RemoteEngine:
         self.channel.send(("stop", ()))
 
 
-def serve(cfg: TrainConfig, task: Task, run_dir: Path, channel: Channel) -> int:
-    """The generator rank's whole run: answer the trainer's engine calls until it says stop. Ctrl-C is the
-    trainer's to act on (it checkpoints, then says stop)."""
+def is_generator_rank(cfg: TrainConfig) -> bool:
+    """Whether this process is the generator rank of a split job (it runs `serve`, not the training loop)."""
+    return cfg.rollout.placement == "split" and int(os.environ.get("RANK", "0")) == GENERATOR_RANK
+
+
+def generator_metrics(engine: Any) -> dict[str, float]:
+    """The generator rank's step metrics (its peak memory) in a split job; {} otherwise."""
+    return {"memory/generator_peak_rss_gib": engine.peak_rss_gib()} if isinstance(engine, RemoteEngine) else {}
+
+
+def stop_generator(engine: Any) -> None:
+    """At the end of a split job's run (every rank done): the generator rank leaves `serve`."""
+    if isinstance(engine, RemoteEngine):
+        engine.close()
+
+
+def serve(cfg: TrainConfig, task: Task) -> int:
+    """The generator rank's whole run: answer the trainer's engine calls, over the channel the CLI opened,
+    until it says stop. Ctrl-C is the trainer's to act on (it checkpoints, then says stop)."""
+    from grpo_cli.dist.channel import current
     from grpo_cli.metrics import peak_rss_gib
     from grpo_cli.rollout import VLLMEngine
     from grpo_cli.tools.trajectories import with_tools
+
+    channel = current()
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     engine: Any = None

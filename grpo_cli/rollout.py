@@ -764,11 +764,6 @@ def build_engine(cfg: TrainConfig, model_path: str, policy: torch.nn.Module, tok
                                    sleep=sleep_wanted(cfg.rollout, dist.device), world_size=dist.world_size),
         "hf": lambda: HFEngine(policy, tokenizer, lambda: dist.autocast(cfg.model.dtype)),
     }
-    if cfg.rollout.placement == "split":  # the generator rank's engine (its tools run there too)
-        from grpo_cli.dist.channel import current
-        from grpo_cli.generator import RemoteEngine
-
-        return RemoteEngine(current(), tokenizer, model_path)
     engine = builders[cfg.rollout.engine]()
     engine = wrap(engine) if wrap else engine
     return ShardedEngine(engine, dist, cfg.rollout.tensor_parallel_size) if dist.world_size > 1 else engine

@@ -274,7 +274,12 @@ def start_run(cfg: TrainConfig, task: Task, run_dir: Path, engine: Engine | None
     from grpo_cli.tools.trajectories import with_tools
 
     tool_loop = lambda e: with_tools(e, task.tools, cfg.rollout)  # noqa: E731 - the engine itself without tools
-    if engine is None:
+    if cfg.rollout.placement == "split":  # the generator rank's engine; its tools run there too (generator.py)
+        from grpo_cli.dist.channel import current
+        from grpo_cli.generator import RemoteEngine
+
+        engine = RemoteEngine(current(), task.tokenizer, weights)
+    elif engine is None:
         engine = build_engine(cfg, weights, policy, task.tokenizer, dist, wrap=tool_loop)
     else:
         engine.push_weights(checkpoint_weights(weights).items())

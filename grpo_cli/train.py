@@ -43,7 +43,7 @@ def run(cfg: TrainConfig, run_dir: Path, engine: Engine | None = None) -> int:
     from grpo_cli.batch import TrainBatch
     from grpo_cli.collect import collect_groups
     from grpo_cli.dist import COLLECTIVE_SECONDS
-    from grpo_cli.generator import GENERATOR_RANK, RemoteEngine, serve
+    from grpo_cli.generator import generator_metrics, is_generator_rank, serve, stop_generator
     from grpo_cli.metrics import StepTimer, rank_metrics, step_metrics
     from grpo_cli.setup import preflight, setup_torch, start_run
     from grpo_cli.sync import maybe_push_check, push_to_engine, release_engine
@@ -53,17 +53,14 @@ def run(cfg: TrainConfig, run_dir: Path, engine: Engine | None = None) -> int:
 
     task = preflight(cfg)  # data, rewards, model files, prompt lengths: before any model loads
     setup_torch(cfg.trainer)
-    if cfg.rollout.placement == "split" and int(os.environ.get("RANK", "0")) == GENERATOR_RANK:
-        from grpo_cli.dist.channel import current
-
-        return serve(cfg, task, run_dir, current())  # a vLLM engine answering the trainer rank (docs/async.md)
+    if is_generator_rank(cfg):  # rollout.placement=split: a vLLM engine answering the trainer rank (docs/async.md)
+        return serve(cfg, task)
     state = start_run(cfg, task, run_dir, engine)  # models, engine, optimizer, cursor; a resume's state put back
     t_cfg, params, started, exit_code = cfg.trainer, loss_params(cfg), time.time(), 0
     out = RunOutput(cfg, run_dir, state.history, state.dist)  # metrics.jsonl (+ wandb), the console, warnings
     stop = GracefulStop()  # Ctrl-C: finish the step, checkpoint, exit 130; a second one exits at once
     guard = NonFiniteGuard(t_cfg.max_bad_steps)
-    ahead = RolloutsAhead(state, cfg, (state.start.state or {}).get("rollouts_ahead")) \
-        if cfg.rollout.max_staleness else None
+    ahead = RolloutsAhead.wanted(state, cfg)  # None at rollout.max_staleness=0
     try:
         out.header(task.model_path, state)
         if state.start.step == 0:
@@ -91,11 +88,9 @@ def run(cfg: TrainConfig, run_dir: Path, engine: Engine | None = None) -> int:
             stats.update(maybe_push_check(state, batch, step, cfg.rollout, cfg.model.dtype))
 
             metrics = step_metrics(step, groups, batch, stats, timings, state.scheduler.get_last_lr()[0], started)
-            if ahead is not None:
-                metrics.update(staleness_metrics(step, sampled))
+            metrics.update(staleness_metrics(step, sampled) if ahead is not None else {})
             metrics.update(rank_metrics(state.dist, COLLECTIVE_SECONDS[0] - collective_start))
-            if isinstance(state.engine, RemoteEngine):  # rollout.placement=split: the generator rank's too
-                metrics["memory/generator_peak_rss_gib"] = state.engine.peak_rss_gib()
+            metrics.update(generator_metrics(state.engine))  # rollout.placement=split: the generator rank's memory
             metrics.update(maybe_heldout_eval(state, cfg, step))
             out.record(metrics)
             last = step == t_cfg.steps
@@ -114,8 +109,7 @@ def run(cfg: TrainConfig, run_dir: Path, engine: Engine | None = None) -> int:
         out.close()
         close_tools(task.tools)  # the tools' and the environment's workers
     state.dist.barrier()  # every rank is done; then a normal exit (destroy_process_group aborts on gloo: docs/design.md)
-    if isinstance(state.engine, RemoteEngine):
-        state.engine.close()  # the generator rank stops
+    stop_generator(state.engine)  # rollout.placement=split: the generator rank's serve returns
     if state.dist.is_main:
         out.summary(time.time() - started)
     return exit_code

@@ -14,6 +14,7 @@ from typing import Any
 from grpo_cli.config import TrainConfig
 
 FP32_BYTES = 4
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # bytes an element, by model.dtype
 
 
 # The shapes of the hub models the GPU recipes name, from their published config.json (the fields the estimate
@@ -168,7 +169,7 @@ def lora_memory_line(cfg: TrainConfig, shape: dict[str, Any], world_size: int) -
     lora, gib = cfg.model.lora, 2**30
     params, layer = parameter_count(shape), layer_parameter_count(shape)
     adapters = adapter_parameter_count(shape, lora.rank, lora.target_modules)
-    base_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[cfg.model.dtype]
+    base_bytes = DTYPE_BYTES[cfg.model.dtype]
     gathered = 0 if world_size == 1 else params - shape["num_hidden_layers"] * layer + 2 * layer
     base = (params / world_size + gathered) * base_bytes
     trained = adapters * FP32_BYTES * 4 / world_size  # weights, gradients, 2 AdamW moments
@@ -195,7 +196,7 @@ def gpu_lines(cfg: TrainConfig, shape: dict[str, Any] | None, world_size: int) -
     from grpo_cli.rollout import ENGINE_WORKSPACE_GIB, adapter_sleep_level
 
     m, r, t, gib = cfg.model, cfg.rollout, cfg.trainer, 2**30
-    dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[m.dtype]
+    dtype_bytes = DTYPE_BYTES[m.dtype]
     params, layer = parameter_count(shape), layer_parameter_count(shape)
     gathered = 0 if world_size == 1 else params - shape["num_hidden_layers"] * layer + 2 * layer
     lora = m.lora.enabled
@@ -242,7 +243,7 @@ def placement_line(cfg: TrainConfig, shape: dict[str, Any] | None) -> str:
     """rollout.placement=split: which rank does what, and what the generator rank holds."""
     engine = "a vLLM engine"
     if shape is not None:
-        weights = parameter_count(shape) * {"float32": 4, "bfloat16": 2, "float16": 2}[cfg.model.dtype] / 2**30
+        weights = parameter_count(shape) * DTYPE_BYTES[cfg.model.dtype] / 2**30
         engine += f" (weights {weights:.2f} GiB + KV cache {cfg.rollout.kv_cache_gib:g} GiB)"
     return (f"placement: split; rank 0 trains alone (the memory above: no FSDP2, no engine), rank 1 only "
             f"generates with {engine}; the weights go to it tensor by tensor after every optimizer step")

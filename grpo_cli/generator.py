@@ -25,8 +25,8 @@ if TYPE_CHECKING:
     from grpo_cli.rollout import Rollouts, Sampling
     from grpo_cli.setup import Task
 
-TRAINER_RANK, GENERATOR_RANK = 0, 1
-# The engine calls that go over as they are: name -> what the generator's engine is asked
+GENERATOR_RANK = 1  # rank 0 trains
+# The engine calls the generator answers by calling its engine's method of the same name, with the same arguments
 FORWARDED = ("generate", "score", "read_weights", "read_adapter", "push_adapter")
 
 

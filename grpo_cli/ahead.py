@@ -17,23 +17,20 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from grpo_cli.collect import Groups, score_groups
 from grpo_cli.config import RolloutConfig, TrainConfig
-from grpo_cli.generator import RemoteEngine
-from grpo_cli.rollout import Rollouts
-
-if TYPE_CHECKING:
-    from grpo_cli.collect import Groups
-    from grpo_cli.metrics import StepTimer
-    from grpo_cli.rollout import Engine
-    from grpo_cli.setup import RunState
+from grpo_cli.engines.base import Rollouts
+from grpo_cli.rollout import draw_prompts
+from grpo_cli.state import RunState
+from grpo_cli.timer import StepTimer
+from grpo_cli.tools.environment import EnvironmentEnd
 
 
 @dataclass
 class Sampled:
     """One step's batch, sampled and gathered, not yet scored."""
-
     step: int  # the step that trains on it
     policy_version: int  # the optimizer steps behind the weights it came from (0: the start's weights)
     rows: list[dict[str, Any]]  # [P] the prompts' dataset rows
@@ -50,8 +47,6 @@ class Sampled:
 
     @staticmethod
     def from_state_dict(saved: dict[str, Any]) -> Sampled:
-        from grpo_cli.tools.environment import EnvironmentEnd
-
         fields = dict(saved["rollouts"])
         fields["environments"] = [[EnvironmentEnd(**end) for end in group] for group in fields["environments"]]
         return Sampled(saved["step"], saved["policy_version"], saved["rows"], saved["prompt_ids"],
@@ -71,23 +66,6 @@ def policy_version(step: int, max_staleness: int) -> int:
     return max(0, step - 1 - max_staleness)
 
 
-def own_share(engine: Engine, prompt_ids: list[list[int]], sampling: Any, seeds: list[int],
-              rows: list[dict[str, Any]]) -> Rollouts:
-    """This rank's share of the samples, without a collective (the thread's work)."""
-    from grpo_cli.rollout import ShardedEngine
-
-    if isinstance(engine, ShardedEngine):
-        return engine.generate_share(prompt_ids, sampling, seeds, rows)
-    return engine.generate(prompt_ids, sampling, seeds, rows)
-
-
-def all_shares(engine: Engine, part: Rollouts) -> Rollouts:
-    """Every rank's share, in prompt order (a collective at world size > 1)."""
-    from grpo_cli.rollout import ShardedEngine
-
-    return engine.gather_shares(part) if isinstance(engine, ShardedEngine) else part
-
-
 class RolloutsAhead:
     """The batches sampled ahead of the trainer, and the one being sampled beside it."""
 
@@ -96,7 +74,7 @@ class RolloutsAhead:
         self.ready: dict[int, Sampled] = {s.step: s for s in map(Sampled.from_state_dict, saved or [])}
         # rollout.overlap: sample in a thread beside the update, or after it (the same batches either way)
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grpo-rollouts") \
-            if overlap_wanted(cfg.rollout, state.dist.device) and not isinstance(state.engine, RemoteEngine) else None
+            if overlap_wanted(cfg.rollout, state.dist.device) and state.engine.in_process else None
         # (step, policy version, rows, prompt ids, the call that waits for (rollouts, seconds), beside the update?)
         self.running: tuple[int, int, list[dict[str, Any]], list[list[int]], Callable, bool] | None = None
 
@@ -116,8 +94,6 @@ class RolloutsAhead:
                 self.ready[step] = self._sample_now(step, current_version)
 
     def _sample_now(self, step: int, version: int) -> Sampled:
-        from grpo_cli.collect import draw_prompts
-
         rows, prompt_ids, sampling, seeds = draw_prompts(self.state, self.cfg, step)
         tick = time.time()
         rollouts = self.state.engine.generate(prompt_ids, sampling, seeds, rows)
@@ -125,8 +101,6 @@ class RolloutsAhead:
 
     def take(self, step: int, timings: StepTimer) -> tuple[Groups, Sampled]:
         """The batch of `step`, scored; the batch of step+K starts sampling beside the trainer."""
-        from grpo_cli.collect import score_groups
-
         sampled = self.ready.pop(step)  # sampled K steps ago, or by `fill`
         if step + self.K <= self.cfg.trainer.steps:
             self._start(step + self.K, version=policy_version(step + self.K, self.K))  # the engine's: after step-1
@@ -136,22 +110,13 @@ class RolloutsAhead:
         return groups, sampled
 
     def _start(self, step: int, version: int) -> None:
-        from grpo_cli.collect import draw_prompts
-
         rows, prompt_ids, sampling, seeds = draw_prompts(self.state, self.cfg, step)  # the cursor moves in step order
-
-        engine = self.state.engine
-        if isinstance(engine, RemoteEngine):  # rollout.placement=split: the generator rank samples meanwhile
-            self.running = (step, version, rows, prompt_ids, engine.start_generate(prompt_ids, sampling, seeds, rows),
-                            True)
-            return
-
-        def sample() -> tuple[Rollouts, float]:
-            tick = time.time()
-            return own_share(engine, prompt_ids, sampling, seeds, rows), time.time() - tick
-
-        wait = self.pool.submit(sample).result if self.pool else sample  # the thread's, or sample after the update
-        self.running = (step, version, rows, prompt_ids, wait, self.pool is not None)
+        # a split job's generator rank starts sampling now; this process's engine samples in the thread, or in
+        # `finish` after the update
+        wait = self.state.engine.start_generate(prompt_ids, sampling, seeds, rows)
+        if self.pool is not None:
+            wait = self.pool.submit(wait).result
+        self.running = (step, version, rows, prompt_ids, wait, self.pool is not None or not self.state.engine.in_process)
 
     def finish(self, timings: StepTimer) -> None:
         """Wait for the batch being sampled (before the engine takes new weights) and gather the ranks' shares."""
@@ -161,7 +126,7 @@ class RolloutsAhead:
         self.running = None
         with timings("wait_rollouts" if overlapped else "generate"):
             part, generate_s = wait()  # a failure in the thread (or the generator rank) is raised here
-            rollouts = all_shares(self.state.engine, part)
+            rollouts = self.state.engine.gather_shares(part)  # a collective at world size > 1
         self.ready[step] = Sampled(step, version, rows, prompt_ids, rollouts, generate_s)
 
     def state_dict(self) -> list[dict[str, Any]]:

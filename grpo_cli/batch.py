@@ -16,14 +16,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from grpo_cli import grpo
+from grpo_cli.collect import Groups
 from grpo_cli.config import TrainerConfig
+from grpo_cli.dist import Dist, contiguous_share
+from grpo_cli.grpo import LossParams
 
 if TYPE_CHECKING:
     import torch
 
-    from grpo_cli.collect import Groups
-    from grpo_cli.dist import Dist
-    from grpo_cli.grpo import LossParams
 
 
 def make_micro_batches(lengths: list[int], max_seqs: int, max_tokens: int = 0) -> list[list[int]]:
@@ -72,7 +73,6 @@ def pad_values(values: list[list[float]], mask: torch.Tensor) -> torch.Tensor:
 @dataclass
 class MicroBatch:
     """One forward/backward pass: b completions, length-sorted."""
-
     rows: list[int]  # the completions' indices in TrainBatch.completions
     prompt_index: torch.Tensor  # [b] row of each completion's prompt in its Minibatch.prompt_ids
     ids: torch.Tensor  # [b, Tc] completion token ids, right-padded
@@ -92,7 +92,6 @@ class MicroBatch:
 @dataclass
 class Minibatch:
     """The completions of one optimizer step: some of the step's groups, their prompts padded once."""
-
     prompt_ids: torch.Tensor  # [p, Tp] this minibatch's prompts, right-padded
     prompt_mask: torch.Tensor  # [p, Tp]
     micro_batches: list[MicroBatch]  # its forward/backward passes
@@ -103,13 +102,14 @@ class Minibatch:
 @dataclass
 class TrainBatch:
     """The kept groups of a step, ready for the reference pass and the update."""
-
     prompt_tokens: list[list[int]]  # [P'] the kept prompts' token ids
     completions: list[list[int]]  # [N] completion token ids that enter the loss, group by group
     group_of: list[tuple[int, int]]  # [N] each completion's (slot, g): its kept prompt and place in the group
     loss_masks: list[list[int]] = field(default_factory=list)  # [N][T_i] 1 on the model's tokens (0 on tool replies)
     minibatches: list[Minibatch] = field(default_factory=list)  # trainer.minibatches parts; empty: nothing kept
     train_tokens: int = 0  # prompt tokens x G + completion tokens of the kept groups (each prompt runs once)
+    advantages: list[float] = field(default_factory=list)  # [N] each completion's advantage
+    sampling_logprobs: list[list[float]] = field(default_factory=list)  # [N][T_i] the engine's, per token
 
     @property
     def prompt_index(self) -> list[int]:
@@ -139,23 +139,19 @@ class TrainBatch:
         if not completions:
             return batch
         advantages = groups.advantages.tolist()  # [P][G] python floats
-        seq_adv = [advantages[kept[slot]][g] for slot, g in group_of]  # [N]
-        seq_sampling_lp = [rollouts.sampling_logprobs[kept[slot]][g] for slot, g in group_of]  # [N][Tc_i]
-        from grpo_cli.dist import contiguous_share
+        batch.advantages = [advantages[kept[slot]][g] for slot, g in group_of]  # [N]
+        batch.sampling_logprobs = [rollouts.sampling_logprobs[kept[slot]][g] for slot, g in group_of]  # [N][Tc_i]
 
         parts = [contiguous_share(len(kept), i, cfg.minibatches) for i in range(cfg.minibatches)]
         for slots in [part for part in parts if len(part)]:  # whole groups, the first parts one longer
             rows = [j for j, (slot, _) in enumerate(group_of) if slot in slots]
-            batch.minibatches.append(_minibatch(batch, rows, slots, seq_adv, seq_sampling_lp, pad_id, cfg, dist,
-                                                loss_params))
+            batch.minibatches.append(_minibatch(batch, rows, slots, pad_id, cfg, dist, loss_params))
         return batch
 
 
 def rank_share(slots: range, rank: int, world_size: int) -> range:
     """Rank `rank`'s contiguous part of a minibatch's groups (whole groups, so each prompt runs on one rank);
     empty for some ranks when there are fewer groups than ranks."""
-    from grpo_cli.dist import contiguous_share
-
     share = contiguous_share(len(slots), rank, world_size)
     return range(slots.start + share.start, slots.start + share.stop)
 
@@ -164,8 +160,7 @@ def _passes(batch: TrainBatch, rows: list[int], cfg: TrainerConfig) -> list[list
     return make_micro_batches([len(batch.completions[j]) for j in rows], cfg.micro_batch_size, cfg.micro_batch_tokens)
 
 
-def _minibatch(batch: TrainBatch, rows: list[int], slots: range, seq_adv: list[float],
-               seq_sampling_lp: list[list[float]], pad_id: int, cfg: TrainerConfig, dist: Dist,
+def _minibatch(batch: TrainBatch, rows: list[int], slots: range, pad_id: int, cfg: TrainerConfig, dist: Dist,
                loss_params: LossParams) -> Minibatch:
     """One optimizer step's completions `rows` (of prompts `slots`): this rank's share of its groups,
     their prompts padded once, micro-batches. Every rank holds the whole step's groups, so the
@@ -192,8 +187,8 @@ def _minibatch(batch: TrainBatch, rows: list[int], slots: range, seq_adv: list[f
             rows=mb_rows,
             prompt_index=torch.tensor([batch.group_of[j][0] - mine.start for j in mb_rows], device=dist.device),
             ids=ids, mask=mask,
-            advantages=torch.tensor([seq_adv[j] for j in mb_rows], device=dist.device)[:, None],  # [b, 1]
-            sampling_logprobs=pad_values([seq_sampling_lp[j] for j in mb_rows], mask),  # [b, Tc]
+            advantages=torch.tensor([batch.advantages[j] for j in mb_rows], device=dist.device)[:, None],  # [b, 1]
+            sampling_logprobs=pad_values([batch.sampling_logprobs[j] for j in mb_rows], mask),  # [b, Tc]
             attention_mask=None if bool(torch.equal(mask, attended)) else attended,  # [b, Tc] with tool replies
         ))
     while len(passes) < num_passes:  # an empty pass: one pad token, mask 0, so its loss and gradient are 0
@@ -210,6 +205,4 @@ def minibatch_normalizer(loss_masks: list[list[int]], loss: str, loss_params: Lo
     """What every micro-batch of a minibatch divides its loss by: grpo.NORMALIZERS[loss] over the loss
     masks of the minibatch's completions in the loss (every rank's, so all ranks divide by the same
     number). A mask is 1 on the model's tokens: a tool run's replies count for no loss."""
-    from grpo_cli import grpo
-
     return grpo.NORMALIZERS[loss](pad_rows(loss_masks, 0)[0].float(), loss_params)  # [N, T] masks, 0-padded

@@ -11,7 +11,10 @@ import os
 from pathlib import Path
 from typing import Any
 
+from grpo_cli.checkpoint import resolve_model_path
 from grpo_cli.config import TrainConfig
+from grpo_cli.engines.options import ENGINE_WORKSPACE_GIB, adapter_sleep_level
+from grpo_cli.tools.load import call_strings
 
 FP32_BYTES = 4
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # bytes an element, by model.dtype
@@ -45,8 +48,6 @@ ASLEEP_GIB = 1.0
 def model_shape(name_or_path: str) -> dict[str, Any] | None:
     """The model's config.json as a dict (a hub model in HUB_SHAPES without a local copy: its shape from there),
     or None when neither has it."""
-    from grpo_cli.checkpoint import resolve_model_path
-
     try:
         path = Path(resolve_model_path(name_or_path)) / "config.json"
     except FileNotFoundError:
@@ -118,7 +119,6 @@ def tool_lines(cfg: TrainConfig) -> list[str]:
     r = cfg.rollout
     if not r.multi_turn:
         return []
-    from grpo_cli.tools.load import call_strings
 
     tools = ", ".join(f"{spec.function} ({call_strings(spec)[0]}...)" for spec in r.tools) or "none"
     env = r.environment
@@ -193,7 +193,6 @@ def gpu_lines(cfg: TrainConfig, shape: dict[str, Any] | None, world_size: int) -
     trainer's weights and AdamW state stay) and while the trainer updates (vLLM asleep with sleep mode)."""
     if shape is None or (cfg.model.dtype == "float32" and not cfg.trainer.device.startswith("cuda")):
         return []  # a CPU run
-    from grpo_cli.rollout import ENGINE_WORKSPACE_GIB, adapter_sleep_level
 
     m, r, t, gib = cfg.model, cfg.rollout, cfg.trainer, 2**30
     dtype_bytes = DTYPE_BYTES[m.dtype]

@@ -13,12 +13,14 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from grpo_cli.config import TrainConfig
+from grpo_cli.data import PromptCursor
+from grpo_cli.dist import Dist
+from grpo_cli.errors import UsageError
+
 if TYPE_CHECKING:
     import torch
 
-    from grpo_cli.collect import PromptCursor
-    from grpo_cli.config import TrainConfig
-    from grpo_cli.dist import Dist
 
 BUILTIN_PREFIX = "builtin:"
 MODELS_DIR = Path(__file__).resolve().parent / "models"  # models shipped inside the package
@@ -116,8 +118,6 @@ def checkpoint_weights(path: Path | str) -> dict[str, torch.Tensor]:
     """
     from safetensors.torch import load_file
 
-    from grpo_cli.errors import UsageError
-
     path = Path(path)
 
     tensors: dict[str, torch.Tensor] = {}
@@ -139,6 +139,29 @@ OPTIMIZER_DIR = "optimizer"  # AdamW's moments by parameter name, in torch.distr
 STEP_PREFIX = "step_"  # periodic checkpoints are checkpoints/step_000010, ...
 
 
+# A LoRA checkpoint: peft's adapter files (docs/lora.md), beside the tokenizer and checkpoint.json
+ADAPTER_CONFIG = "adapter_config.json"  # peft's files: what PeftModel.from_pretrained and vLLM's LoRA loader read
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+def is_adapter_dir(path: str | Path) -> bool:
+    """Whether a directory holds a peft adapter (a LoRA checkpoint) rather than a whole model."""
+    return (Path(path) / ADAPTER_CONFIG).is_file()
+
+
+def adapter_base(path: str | Path) -> str | None:
+    """The base model an adapter directory was trained on (its adapter_config.json), or None."""
+    try:
+        return json.loads((Path(path) / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
+    except (OSError, ValueError):
+        return None
+
+
+def adapter_rank(path: str | Path) -> int:
+    """The rank r of the adapter saved in `path`."""
+    return int(json.loads((Path(path) / ADAPTER_CONFIG).read_text())["r"])
+
+
 def save_checkpoint(model: torch.nn.Module, tokenizer: Any, path: Path, info: dict[str, Any],
                     trainer_state: dict[str, Any] | None = None, optimizer: torch.optim.Optimizer | None = None,
                     dist: Dist | None = None) -> Path:
@@ -154,6 +177,8 @@ def save_checkpoint(model: torch.nn.Module, tokenizer: Any, path: Path, info: di
     every rank calls this: the weights are gathered one tensor at a time and rank 0 writes them,
     the Hugging Face files and the marker.
     """
+    # here, not at the top: dist.shard imports torch, and this module's file checks are on the torch-free path of
+    # grpo check and the run directory look-ups
     from grpo_cli.dist.shard import full_tensors, unwrap
 
     world, main = (dist.world_size, dist.is_main) if dist is not None else (1, True)
@@ -211,6 +236,8 @@ def tied_duplicates(model: torch.nn.Module) -> set[str]:
 
 def _named_params(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
     """The trainable parameters by their Hugging Face name (the same at any world size); with LoRA the adapters."""
+    # here, not at the top: dist.shard imports torch, and this module's file checks are on the torch-free path of
+    # grpo check and the run directory look-ups
     from grpo_cli.dist.shard import unwrap
 
     return [(name, p) for name, p in unwrap(model).named_parameters() if p.requires_grad]
@@ -291,7 +318,6 @@ def restore_trainer_state(state: dict[str, Any], optimizer: torch.optim.Optimize
     if path is not None and (Path(path) / OPTIMIZER_DIR).is_dir():
         load_optimizer(optimizer, model, Path(path) / OPTIMIZER_DIR, state["optimizer_param_groups"])
     else:  # fresh moments would make the resumed run a different one
-        from grpo_cli.errors import UsageError
 
         raise UsageError(f"resume: {path} has no optimizer state ({OPTIMIZER_DIR}/ is missing); copy the whole "
                          "checkpoint directory")

@@ -28,7 +28,11 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from grpo_cli import __version__
+from grpo_cli.config import COMMAND_SCHEMAS, ConfigError, TrainConfig
+from grpo_cli.dist import channel, launch
+from grpo_cli.dist.launch import log_name, rank
 from grpo_cli.errors import RunFailure, UsageError  # also reachable as grpo_cli.cli.UsageError
+from grpo_cli.runs import resume_dir
 
 RECIPE_PATH_ENV = "GRPO_RECIPE_PATH"  # extra recipe directories, separated like PATH
 
@@ -65,7 +69,6 @@ _RUN_NAME = f"{time.strftime('%Y-%m-%d_%H-%M-%S')}_{os.getpid()}-{secrets.token_
 def _run_dir(output_dir: str, task: str, resume: str | None) -> str:
     if not resume:
         return f"{output_dir}/{task}/{_RUN_NAME}"
-    from grpo_cli.runs import resume_dir
 
     return str(resume_dir(output_dir, task, resume))
 
@@ -133,7 +136,6 @@ def _config_error_line(exc: BaseException, schema: type) -> str:
         ValidationError,
     )
 
-    from grpo_cli.config import ConfigError
 
     chain = []
     while exc is not None:
@@ -179,7 +181,6 @@ def _register(command: str, recipe_required: bool = True, rest: list[str] | None
     from hydra.core.config_store import ConfigStore
     from omegaconf import OmegaConf
 
-    from grpo_cli.config import COMMAND_SCHEMAS
 
     OmegaConf.register_new_resolver("grpo_run_dir", _run_dir, replace=True)
     OmegaConf.register_new_resolver("grpo_hydra_subdir", _hydra_subdir, replace=True)
@@ -193,7 +194,6 @@ def _register(command: str, recipe_required: bool = True, rest: list[str] | None
         node.pop("resume", None)  # how that run was started, not part of its recipe
         cs.store(group="recipe", name=RUN_RECIPE, node=node, package="_global_")
     cs.store(name=f"{command}_schema", node=schema)
-    from grpo_cli.dist.launch import log_name, rank
 
     hydra_settings: dict[str, Any] = {
         "job": {"name": log_name(command, rank())[: -len(".log")], "chdir": False},  # train.log, train-rank1.log
@@ -223,7 +223,6 @@ def _recipe_node(path: Path, schema: type) -> Any:
     """
     from omegaconf import DictConfig, OmegaConf
 
-    from grpo_cli.config import TrainConfig
 
     try:
         node = OmegaConf.load(path)
@@ -332,7 +331,6 @@ def _compose_and_validate(command: str, overrides: list[str], config_dir: str | 
     from hydra import compose, initialize
     from hydra.core.global_hydra import GlobalHydra
 
-    from grpo_cli.config import COMMAND_SCHEMAS
 
     schema = COMMAND_SCHEMAS[command]
     if config_dir:
@@ -349,8 +347,6 @@ def _compose_and_validate(command: str, overrides: list[str], config_dir: str | 
     finally:
         GlobalHydra.instance().clear()
     if getattr(config, "resume", None):
-        from grpo_cli.runs import resume_dir
-
         try:
             resume_dir(config.output_dir, config.task, config.resume)
         except FileNotFoundError as e:
@@ -417,13 +413,11 @@ def _make_app(command: str) -> Callable[[], Any]:
         from hydra.core.hydra_config import HydraConfig
         from omegaconf import OmegaConf
 
-        from grpo_cli.config import COMMAND_SCHEMAS
 
         try:
             config = validate(cfg, COMMAND_SCHEMAS[command])
         except UsageError as e:
             _fail(command, str(e))
-        from grpo_cli.dist.launch import log_name, rank
 
         run_dir = None
         if spec.makes_run_dir:
@@ -553,7 +547,6 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         _fail(command, str(e))
     log.debug("preflight took %.3fs", time.time() - started)
-    from grpo_cli.dist import launch
 
     world = getattr(getattr(config, "dist", None), "world_size", 1)
     if command == "train" and world > 1 and not launch.under_launcher():
@@ -570,7 +563,6 @@ def main(argv: list[str] | None = None) -> int:
         global _RUN_NAME
         timeout_s = config.dist.timeout_s if config is not None else 600
         if config is not None and config.rollout.placement == "split":  # no default group (dist/channel.py)
-            from grpo_cli.dist import channel
 
             launch.die_with_parent()
             line = channel.connect(launch.rank(), timeout_s)

@@ -8,55 +8,27 @@ turn the rewards into group-relative advantages.
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from grpo_cli import grpo, rewards
 from grpo_cli.config import TrainConfig
-from grpo_cli.rewards import RewardFailures, Scores
-from grpo_cli.rollout import Rollouts, Sampling
+from grpo_cli.dist import Dist
+from grpo_cli.engines.base import Rollouts
+from grpo_cli.errors import RunFailure
+from grpo_cli.rewards import RewardFailures, Scores, WeightedReward
+from grpo_cli.rollout import sample_groups
+from grpo_cli.state import RunState
+from grpo_cli.timer import StepTimer
 
 if TYPE_CHECKING:
     import torch
 
-    from grpo_cli.dist import Dist
-    from grpo_cli.metrics import StepTimer
-    from grpo_cli.rewards import WeightedReward
-    from grpo_cli.setup import RunState
-
-
-class PromptCursor:
-    """The train rows in a seeded order, reshuffled (seed + step) at each new epoch."""
-
-    def __init__(self, num_rows: int, seed: int) -> None:
-        self.num_rows, self.seed = num_rows, seed
-        self.order = random.Random(seed).sample(range(num_rows), num_rows)  # row indices, this epoch's order
-        self.position = 0  # index into `order` of the next prompt
-
-    def take(self, count: int, step: int) -> list[int]:
-        """The next `count` row indices; an epoch that runs out mid-step continues in a new order."""
-        rows = []
-        for _ in range(count):
-            if self.position == len(self.order):  # a new epoch, in a new seeded order
-                self.order = random.Random(self.seed + step).sample(range(self.num_rows), self.num_rows)
-                self.position = 0
-            rows.append(self.order[self.position])
-            self.position += 1
-        return rows
-
-    def state_dict(self) -> dict[str, Any]:
-        import torch
-
-        return {"order": torch.tensor(self.order), "position": self.position}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.order, self.position = state["order"].tolist(), state["position"]
 
 
 @dataclass
 class Groups:
     """One step's P prompts with G scored completions each."""
-
     rows: list[dict[str, Any]]  # [P] the prompts' dataset rows
     prompt_ids: list[list[int]]  # [P] prompt token ids
     rollouts: Rollouts  # [P][G] completions, their sampling logprobs and truncation flags
@@ -93,37 +65,10 @@ def concat_groups(parts: list[Groups]) -> Groups:
                   failures, *tensors, dropped=torch.cat([g.dropped for g in parts]), rounds=len(parts))
 
 
-def sample_groups(state: RunState, cfg: TrainConfig, step: int, round_index: int = 0
-                  ) -> tuple[list[dict[str, Any]], list[list[int]], Rollouts]:
-    """Draw the step's prompts and sample a group of completions for each: [P][G].
-
-    Seeds are a pure function of (run seed, step, round, prompt): round 0 uses the training
-    stream 0, a dynamic-sampling round r >= 1 the stream r + 1 (stream 1 is evaluation's).
-    """
-    rows, prompt_ids, sampling, seeds = draw_prompts(state, cfg, step, round_index)
-    return rows, prompt_ids, state.engine.generate(prompt_ids, sampling, seeds, rows)
-
-
-def draw_prompts(state: RunState, cfg: TrainConfig, step: int, round_index: int = 0
-                 ) -> tuple[list[dict[str, Any]], list[list[int]], Sampling, list[int]]:
-    """The step's prompts from the cursor: their rows, token ids, the sampling settings and one seed each."""
-    from grpo_cli.rollout import sample_seeds
-
-    r_cfg, task = cfg.rollout, state.task
-    rows = [task.train_rows[i] for i in state.cursor.take(r_cfg.prompts_per_step, step)]
-    prompt_ids = [task.encode(row) for row in rows]
-    stream = 0 if round_index == 0 else round_index + 1
-    sampling = Sampling(r_cfg.group_size, r_cfg.temperature, r_cfg.top_p, r_cfg.max_new_tokens)
-    return rows, prompt_ids, sampling, sample_seeds(cfg.trainer.seed, step, len(rows), stream)
-
-
 def score_groups(rows: list[dict[str, Any]], prompt_ids: list[list[int]], rollouts: Rollouts,
                  reward_fns: list[WeightedReward], cfg: TrainConfig, step: int, dist: Dist) -> Groups:
     """Rewards [P, G] from the reward functions, then group-relative advantages and the groups kept."""
     import torch
-
-    from grpo_cli import grpo, rewards
-    from grpo_cli.errors import RunFailure
 
     t_cfg = cfg.trainer
     P, G = len(rows), cfg.rollout.group_size
@@ -135,12 +80,13 @@ def score_groups(rows: list[dict[str, Any]], prompt_ids: list[list[int]], rollou
     mine = dist.share(P)  # each rank scores its share of the groups; every rank then holds all the scores
     lo, hi = mine.start * G, mine.stop * G
     failures = rewards.RewardFailures()
+    context = rewards.SampleContext(tokens[lo:hi], columns[cfg.data.prompt_column][lo:hi],
+                                    calls[lo:hi] if calls is not None else None,
+                                    (env[0][lo:hi], env[1][lo:hi]) if env is not None else None)
     scored = rewards.score(reward_fns, completions[lo:hi], {k: v[lo:hi] for k, v in columns.items()},
-                           cfg.data.answer_format, failures, completion_tokens=tokens[lo:hi],
+                           cfg.data.answer_format, failures, group_size=G,
                            max_new_tokens=cfg.rollout.trajectory_tokens,  # a tool run: the whole trajectory's cap
-                           prompts=columns[cfg.data.prompt_column][lo:hi], group_size=G,
-                           tool_calls=calls[lo:hi] if calls is not None else None,
-                           environment=(env[0][lo:hi], env[1][lo:hi]) if env is not None else None)
+                           context=context)
     if dist.world_size > 1:
         scored, failures = merge_scores(dist.gather((scored, failures)))
     for name, count in failures.counts.items():

@@ -14,6 +14,7 @@ from omegaconf import MISSING
 
 from grpo_cli.prompts import CHAT_INSTRUCTION  # pure
 from grpo_cli.rewards.answers import ANSWER_FORMATS  # pure: re and decimal only
+from grpo_cli.schedules import LR_SCHEDULES  # pure: math only
 
 BUILTIN_MODEL = "builtin:bike_base"  # the small model shipped inside the package
 
@@ -273,8 +274,6 @@ class TrainerConfig:
         _require(self.micro_batch_size >= 1, "trainer.micro_batch_size", "must be >= 1")
         _require(self.micro_batch_tokens >= 0, "trainer.micro_batch_tokens", "must be >= 0 (0 = no token cap)")
         _require(self.logprob_chunk_tokens >= 1, "trainer.logprob_chunk_tokens", "must be >= 1")
-        from grpo_cli.optim import LR_SCHEDULES  # the table itself (optim.py imports no torch at module level)
-
         _require(self.lr_schedule in LR_SCHEDULES, "trainer.lr_schedule",
                  f"'{self.lr_schedule}' is not one of {', '.join(LR_SCHEDULES)}")
         _require(self.norm_lr_scale > 0, "trainer.norm_lr_scale", "must be > 0")

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from grpo_cli.errors import UsageError, one_line
+from grpo_cli.tasks import BUILTIN_TASKS
 
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
 
@@ -131,8 +132,6 @@ def check_rows(rows: list[dict], prompt_column: str, source: str, key: str = "da
 
 
 def builtin_splits(data: Any) -> tuple[list[dict], list[dict]]:
-    from grpo_cli.tasks import BUILTIN_TASKS
-
     name = data.source.removeprefix("builtin:")
     if name not in BUILTIN_TASKS:
         raise UsageError(f"data.source: unknown builtin task '{name}'; available: "
@@ -213,3 +212,31 @@ def run_export(config: Any, run_dir: Any) -> int:
     print(f"wrote {len(heldout)} held-out rows to {out / 'heldout.jsonl'}")
     print(f"train on them with: data.source={out / 'train.jsonl'} data.heldout_source={out / 'heldout.jsonl'}")
     return 0
+
+
+class PromptCursor:
+    """The train rows in a seeded order, reshuffled (seed + step) at each new epoch."""
+
+    def __init__(self, num_rows: int, seed: int) -> None:
+        self.num_rows, self.seed = num_rows, seed
+        self.order = random.Random(seed).sample(range(num_rows), num_rows)  # row indices, this epoch's order
+        self.position = 0  # index into `order` of the next prompt
+
+    def take(self, count: int, step: int) -> list[int]:
+        """The next `count` row indices; an epoch that runs out mid-step continues in a new order."""
+        rows = []
+        for _ in range(count):
+            if self.position == len(self.order):  # a new epoch, in a new seeded order
+                self.order = random.Random(self.seed + step).sample(range(self.num_rows), self.num_rows)
+                self.position = 0
+            rows.append(self.order[self.position])
+            self.position += 1
+        return rows
+
+    def state_dict(self) -> dict[str, Any]:
+        import torch  # here, not at the top: data.py is on the torch-free config path (grpo check reads it)
+
+        return {"order": torch.tensor(self.order), "position": self.position}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.order, self.position = state["order"].tolist(), state["position"]

@@ -39,15 +39,24 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from grpo_cli import runs
+from grpo_cli import data, runs
+from grpo_cli.checkpoint import adapter_rank, checkpoint_weights, load_tokenizer
 from grpo_cli.config import EvalCommandConfig, ModelConfig
+from grpo_cli.engines.base import Sampling
+from grpo_cli.engines.tools import with_tools
+from grpo_cli.engines.vllm import VLLMEngine
 from grpo_cli.errors import UsageError
+from grpo_cli.heldout import HeldoutSet, add_greedy_metrics, heldout_metrics
+from grpo_cli.lora import merged_checkpoint_tensors
+from grpo_cli.prompts import render_row
 from grpo_cli.rewards import WeightedReward, load_rewards, validate_columns
-
-if TYPE_CHECKING:
-    from grpo_cli.rollout import VLLMEngine
+from grpo_cli.rollout import sample_seeds
+from grpo_cli.runtime import cpu_threads, quiet_third_party, set_threads
+from grpo_cli.setup import check_tool_run
+from grpo_cli.tools import load_tools
+from grpo_cli.tools.load import close_tools, tool_schemas
 
 # config.json fields that must agree for weights to be pushed into one engine
 ARCH_KEYS = ("architectures", "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -71,8 +80,6 @@ def check_compatible(targets: list[runs.Target]) -> None:
 def engine_model(model: ModelConfig, targets: list[runs.Target]) -> ModelConfig:
     """The engine's model settings: LoRA serving on when some checkpoint is an adapter, at the largest rank of
     those adapters (a recipe without model.lora still evaluates a LoRA run's checkpoints)."""
-    from grpo_cli.lora import adapter_rank
-
     ranks = [adapter_rank(t.path) for t in targets if t.base is not None]
     if not ranks:
         return model
@@ -81,8 +88,6 @@ def engine_model(model: ModelConfig, targets: list[runs.Target]) -> ModelConfig:
 
 def check_tokenizers(targets: list[runs.Target], tokenizer: Any) -> None:
     """Every checkpoint's tokenizer has the first's vocabulary (prompts are encoded once, with the first's)."""
-    from grpo_cli.checkpoint import load_tokenizer
-
     vocab = tokenizer.get_vocab()
     for target in targets[1:]:
         try:
@@ -131,9 +136,6 @@ def run(cfg: EvalCommandConfig, run_dir: Path | None = None, engine: VLLMEngine 
     """`grpo eval`: resolve and check every checkpoint, evaluate them on one engine, print, then write.
     `engine`: a vLLM engine already serving this architecture (a notebook's, a test's); every checkpoint's
     weights are pushed into it, the first's too, instead of one starting."""
-    from grpo_cli import data
-    from grpo_cli.runtime import quiet_third_party
-
     quiet_third_party(cfg.logging.verbose_libraries)  # before vLLM/datasets/transformers are imported
 
     # --- fail at the edge: checkpoints, output path, data and rewards before any model loads
@@ -169,18 +171,6 @@ def evaluate_targets(cfg: EvalCommandConfig, targets: list[runs.Target], rows: l
                      ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Every checkpoint's held-out metrics on one vLLM engine (each next one's weights pushed into it),
     with the same per-problem seeds; also every sample when `keep_samples`."""
-    from grpo_cli import rollout
-    from grpo_cli.checkpoint import checkpoint_weights, load_tokenizer
-    from grpo_cli.heldout import HeldoutSet, add_greedy_metrics, heldout_metrics
-    from grpo_cli.lora import merged_checkpoint_tensors
-    from grpo_cli.prompts import render_row
-    from grpo_cli.rollout import Sampling, sample_seeds
-    from grpo_cli.runtime import cpu_threads, set_threads
-    from grpo_cli.setup import check_tool_run
-    from grpo_cli.tools import load_tools
-    from grpo_cli.tools.load import close_tools, tool_schemas
-    from grpo_cli.tools.trajectories import with_tools
-
     # the run's tools and environment: pass@k measures the model with them
     tools = load_tools(cfg.rollout.tools, cfg.rollout.tool_format, cfg.rollout.environment)
     check_tool_run(tools, reward_fns, {"held-out": rows})  # before any model loads, as the rest of the edge checks
@@ -199,7 +189,7 @@ def evaluate_targets(cfg: EvalCommandConfig, targets: list[runs.Target], rows: l
     holds = None if engine is not None else targets[0].model_dir  # the whole model in the engine (a given one: unknown)
     if engine is None:
         print(f"grpo eval: starting the vLLM engine on {holds}", flush=True)
-        engine = rollout.VLLMEngine(str(holds), engine_model(cfg.model, targets), cfg.rollout, cfg.trainer.seed,
+        engine = VLLMEngine(str(holds), engine_model(cfg.model, targets), cfg.rollout, cfg.trainer.seed,
                                     show_progress=cfg.logging.verbose_libraries)
     engine = with_tools(engine, tools, cfg.rollout)
     results, all_samples = [], []

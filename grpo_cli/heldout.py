@@ -12,12 +12,12 @@ import math
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from grpo_cli.config import DataConfig
-    from grpo_cli.rewards import WeightedReward
-    from grpo_cli.rollout import Engine, Rollouts, Sampling
+from grpo_cli.config import DataConfig
+from grpo_cli.engines.base import Engine, Rollouts, Sampling
+from grpo_cli.rewards import SampleContext, WeightedReward, correctness_name, final_answer, final_answers, score
+from grpo_cli.tools.metrics import calls_a_tool, tool_metrics
 
 FULL_CREDIT = 1.0 - 1e-9  # a sample counts as correct for pass@k when its correctness reward reaches 1
 
@@ -34,8 +34,6 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 def answer_key(completion: str, answer_format: str) -> Any:
     """What a completion votes for in maj@k: its final answer at cent precision (rewards.final_answer);
     for an answer that is not a number, the single stated answer's text; None = no vote."""
-    from grpo_cli.rewards import final_answer, final_answers
-
     value = final_answer(completion, answer_format)
     if value is not None:
         return value
@@ -98,7 +96,6 @@ def _tiers(rows: list[dict[str, Any]]) -> dict[str, list[int]]:
 @dataclass(frozen=True)
 class HeldoutSet:
     """The held-out problems as the engine and the rewards see them."""
-
     rows: list[dict[str, Any]]  # the problems' dataset rows
     prompt_ids: list[list[int]]  # each row's prompt, encoded once
     rewards: list[WeightedReward]  # the recipe's rewards (one is the correctness check)
@@ -112,14 +109,13 @@ class HeldoutSet:
 
     def score(self, out: Rollouts, max_new_tokens: int) -> Any:
         """The rewards' Scores of the k completions per row in `out`, laid out row-major [N*k]."""
-        from grpo_cli.rewards import score
-
         k = len(out.texts[0]) if out.texts else 1
         texts = [t for group in out.texts for t in group]  # [N*k]
         columns = {key: [row[key] for row in self.rows for _ in range(k)] for key in self.rows[0]}  # each [N*k]
-        return score(self.rewards, texts, columns, self.answer_format, completion_tokens=out.model_tokens(),
-                     max_new_tokens=max_new_tokens, prompts=columns.get(self.prompt_column), group_size=k,
-                     tool_calls=out.tool_calls(), environment=out.environment_results())
+        context = SampleContext(out.model_tokens(), columns.get(self.prompt_column), out.tool_calls(),
+                                out.environment_results())
+        return score(self.rewards, texts, columns, self.answer_format, group_size=k, max_new_tokens=max_new_tokens,
+                     context=context)
 
 
 def heldout_metrics(engine: Engine, heldout: HeldoutSet, sampling: Sampling, seeds: list[int],
@@ -128,9 +124,6 @@ def heldout_metrics(engine: Engine, heldout: HeldoutSet, sampling: Sampling, see
     and per tier. `samples`, when given, receives one record per sample (prompt, completion, rewards,
     length, truncated, row columns). For the training log, `flatten(metrics)` gives eval/... keys.
     `max_tokens`: the completion cap the rewards see (a tool run's trajectory cap; None = the turn's)."""
-    from grpo_cli.rewards import correctness_name
-    from grpo_cli.tools.trajectories import tool_metrics
-
     k, rows = sampling.n, heldout.rows
     out = engine.generate(heldout.prompt_ids, sampling, seeds, rows)
     texts = [t for group in out.texts for t in group]  # [N*k]
@@ -161,8 +154,6 @@ def heldout_metrics(engine: Engine, heldout: HeldoutSet, sampling: Sampling, see
 def pass_at_1_by_calling(segments: list[list[list[dict[str, Any]]]], correct: list[float]) -> dict[str, float]:
     """pass@1 of the samples that call a tool and of those that do not (`segments` [N][k], `correct` [N*k]);
     a side with no sample has no key."""
-    from grpo_cli.tools.trajectories import calls_a_tool
-
     calls = [calls_a_tool(turns) for group in segments for turns in group]  # [N*k]
     out = {}
     for key, side in (("tools/pass@1_calling", True), ("tools/pass@1_not_calling", False)):
@@ -177,9 +168,6 @@ def add_greedy_metrics(metrics: dict[str, Any], engine: Engine, heldout: Heldout
     """Into heldout_metrics' dict: one temperature-0 completion per row scored as greedy_accuracy (overall and
     in each per_tier entry), and in a tool run greedy_call_share (the share of rows whose greedy completion
     calls a tool). `max_tokens` as in heldout_metrics."""
-    from grpo_cli.rewards import correctness_name
-    from grpo_cli.rollout import Sampling
-
     out = engine.generate(heldout.prompt_ids, Sampling(1, 0.0, 1.0, max_new_tokens), list(range(len(heldout.rows))),
                           heldout.rows)
     scored = heldout.score(out, max_tokens or max_new_tokens)
@@ -188,8 +176,6 @@ def add_greedy_metrics(metrics: dict[str, Any], engine: Engine, heldout: Heldout
     for tier, idx in _tiers(heldout.rows).items():
         metrics["per_tier"][tier]["greedy_accuracy"] = _mean([correct[i] for i in idx])
     if out.segments:
-        from grpo_cli.tools.trajectories import tool_metrics
-
         metrics["greedy_call_share"] = tool_metrics(out)["tools/call_share"]
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Protocol, TextIO
 from urllib.parse import urlsplit
 
+from grpo_cli.errors import UsageError
 from grpo_cli.metrics import as_number
 
 
@@ -43,7 +44,6 @@ def _jsonable(value: Any) -> Any:
 
 class NullLogger:
     """Logs nothing: stands in for wandb when it is off, and for every logger on ranks other than 0."""
-
     notes: list[str] = []  # nothing to say at start
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
@@ -114,8 +114,6 @@ class WandbLogger:
     """
 
     def __init__(self, cfg: Any, run_dir: Path | str, resolved_config: Any) -> None:
-        from grpo_cli.errors import UsageError
-
         run_dir = Path(run_dir)
         self.mode = wandb_mode()
         if self.mode == "online" and not wandb_api_key_configured():

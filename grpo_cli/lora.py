@@ -19,33 +19,27 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from grpo_cli.checkpoint import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    adapter_base,
+    checkpoint_weights,
+    is_adapter_dir,
+    load_tokenizer,
+    read_info,
+    resolve_model_path,
+)
+from grpo_cli.config import LoraConfig
+from grpo_cli.dist.shard import full_parameters, full_tensors, unwrap
+from grpo_cli.errors import UsageError
+
 if TYPE_CHECKING:
     import torch
-
-    from grpo_cli.config import LoraConfig
-
-ADAPTER_CONFIG = "adapter_config.json"  # peft's files: what PeftModel.from_pretrained and vLLM's LoRA loader read
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-
-
-def is_adapter_dir(path: str | Path) -> bool:
-    """Whether a directory holds a peft adapter (a LoRA checkpoint) rather than a whole model."""
-    return (Path(path) / ADAPTER_CONFIG).is_file()
-
-
-def adapter_base(path: str | Path) -> str | None:
-    """The base model an adapter directory was trained on (its adapter_config.json), or None."""
-    try:
-        return json.loads((Path(path) / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
-    except (OSError, ValueError):
-        return None
 
 
 def is_adapter_model(model: torch.nn.Module) -> bool:
     """Whether the loop's policy carries LoRA adapters: a peft model (it holds its peft_config), maybe inside its
     FSDP2 root. Asked at every push, so a run without LoRA never imports peft."""
-    from grpo_cli.dist.shard import unwrap
-
     return hasattr(unwrap(model), "peft_config")
 
 
@@ -55,8 +49,6 @@ def check_targets(lora: LoraConfig, model_config: Any) -> None:
     Raises UsageError naming the key, the names that match nothing and the decoder layers' linear layers."""
     import torch
     from transformers import AutoModelForCausalLM
-
-    from grpo_cli.errors import UsageError
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(model_config)
@@ -92,32 +84,24 @@ def with_adapters(model: torch.nn.Module, lora: LoraConfig, base_model: str,
 def adapters_off(model: torch.nn.Module) -> Iterator[None]:
     """The base model for the block: every adapter of the policy off (the KL's frozen reference, with no
     second copy of the weights)."""
-    from grpo_cli.dist.shard import unwrap
-
     with unwrap(model).disable_adapter():
         yield
 
 
 def adapter_names(model: torch.nn.Module) -> list[str]:
     """The adapters' parameter names (the trainable ones) as the loop's state_dict names them."""
-    from grpo_cli.dist.shard import unwrap
-
     return [name for name, p in unwrap(model).named_parameters() if p.requires_grad]
 
 
 def adapter_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The adapters' full tensors by peft's file names (`...q_proj.lora_A.weight`: the adapter's name dropped, as
     peft saves them): gathered from the ranks when sharded (every rank calls this)."""
-    from grpo_cli.dist.shard import full_parameters
-
     return {name.replace(".default.", "."): t.detach().contiguous()
             for name, t in full_parameters(model, adapter_names(model))}
 
 
 def adapter_config(model: torch.nn.Module) -> dict[str, Any]:
     """The adapter's adapter_config.json, as a dict."""
-    from grpo_cli.dist.shard import unwrap
-
     return unwrap(model).peft_config["default"].to_dict()
 
 
@@ -139,8 +123,6 @@ def merged_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]
     iterate (the tensors are gathered when sharded), in the same order."""
     from peft.tuners.lora import LoraLayer
 
-    from grpo_cli.dist.shard import full_parameters, full_tensors, unwrap
-
     peft_model = unwrap(model)
     adapters = dict(full_parameters(model, adapter_names(model)))  # small: gathered up front
     scale = {name: module.scaling["default"] for name, module in peft_model.named_modules() if isinstance(module, LoraLayer)}
@@ -157,8 +139,6 @@ def merged_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]
 
 def summary(model: torch.nn.Module, lora: LoraConfig) -> str:
     """One line: the adapters, what trains, and the reference."""
-    from grpo_cli.dist.shard import unwrap
-
     params = list(unwrap(model).parameters())
     trainable = sum(p.numel() for p in params if p.requires_grad)  # a sharded parameter's numel() is the whole one's
     total = sum(p.numel() for p in params)
@@ -166,17 +146,10 @@ def summary(model: torch.nn.Module, lora: LoraConfig) -> str:
             f"{total:,} parameters train ({100 * trainable / total:.1f}%); the reference is the base (adapters off)")
 
 
-def adapter_rank(path: str | Path) -> int:
-    """The rank r of the adapter saved in `path`."""
-    return int(json.loads((Path(path) / ADAPTER_CONFIG).read_text())["r"])
-
-
 def merged_checkpoint_tensors(base_dir: str | Path, adapter_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     """A base model's checkpoint-format tensors with a saved adapter merged in (W + alpha/r * B @ A), from the
     two directories' files alone (no model is built): for an engine that serves no LoRA, and `grpo merge`."""
     from safetensors.torch import load_file
-
-    from grpo_cli.checkpoint import checkpoint_weights
 
     config = json.loads((Path(adapter_dir) / ADAPTER_CONFIG).read_text())
     r, alpha = config["r"], config["lora_alpha"]
@@ -201,9 +174,6 @@ def run_merge(config: Any, run_dir: Path | None = None) -> int:
     import shutil
 
     from safetensors.torch import save_file
-
-    from grpo_cli.checkpoint import load_tokenizer, read_info, resolve_model_path
-    from grpo_cli.errors import UsageError
 
     path, out = Path(config.checkpoint), Path(config.out)
     if not is_adapter_dir(path):

@@ -8,12 +8,13 @@ its token means, lengths, group statistics, throughput, and `time/*` per phase.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from grpo_cli.batch import TrainBatch
-    from grpo_cli.collect import Groups
-    from grpo_cli.dist import Dist
+from grpo_cli.batch import TrainBatch
+from grpo_cli.collect import Groups
+from grpo_cli.dist import Dist
+from grpo_cli.runtime import peak_rss_gib
+from grpo_cli.tools.metrics import tool_metrics
 
 REWARD_PREFIX = "reward/"
 # reward/* keys that are not a reward function's mean
@@ -24,38 +25,11 @@ TIME_SHORT = {"generate": "gen", "reward": "rew", "logprobs": "lp", "update": "u
               "sleep": "slp"}
 
 
-class StepTimer(dict):
-    """Seconds per phase of a step, `{"generate": 1.0, ...}`: `with timings("update"): ...` times one
-    (a phase timed twice in a step, e.g. several sampling rounds, adds up)."""
-
-    def __call__(self, phase: str) -> Any:
-        import contextlib
-
-        @contextlib.contextmanager
-        def timed() -> Any:
-            tick = time.time()
-            try:
-                yield
-            finally:
-                self[phase] = self.get(phase, 0.0) + (time.time() - tick)
-
-        return timed()
-
-
-
 def reward_functions(metrics: dict[str, Any]) -> dict[str, float]:
     """Each reward function's mean, from the `reward/<fn>` keys."""
     return {k[len(REWARD_PREFIX):]: v for k, v in metrics.items()
             if k.startswith(REWARD_PREFIX) and k not in REWARD_STATS}
 
-
-
-def peak_rss_gib() -> float:
-    """This process's peak resident memory so far, GiB (host memory: weights, engine, activations on the CPU)."""
-    import resource
-
-    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-    return kib / 2**20
 
 
 def as_number(value: Any) -> float | None:
@@ -79,7 +53,6 @@ def step_metrics(step: int, groups: Groups, batch: TrainBatch, stats: dict[str, 
                  started: float) -> dict[str, Any]:
     """One step's metrics line: rewards, the update's stats, lengths, group statistics, speed, time split."""
     rollouts, scored = groups.rollouts, groups.scored
-    from grpo_cli.tools.trajectories import tool_metrics
 
     lengths = rollouts.model_tokens()  # [P*G] the model's own tokens (a trajectory's tool replies are not)
     push_checks = {k: v for k, v in stats.items() if k.startswith("push_check/")}

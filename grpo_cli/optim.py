@@ -1,41 +1,15 @@
-"""The optimizer side of a run: AdamW's parameter groups and the learning-rate schedules.
-
-Imports no torch at module level, so `config.py` can validate `trainer.lr_schedule`
-against `LR_SCHEDULES` itself without loading torch (or the training loop).
-"""
+"""The optimizer side of a run: AdamW's parameter groups, the schedule (from grpo_cli.schedules) over its
+steps, and the optimizer state's moves off and back onto the device."""
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING, Any
+
+from grpo_cli.config import TrainerConfig
+from grpo_cli.schedules import LR_SCHEDULES
 
 if TYPE_CHECKING:
     import torch
-
-    from grpo_cli.config import TrainerConfig
-
-
-def constant_lr(index: int, warmup: int, total: int) -> float:
-    """LR factor of optimizer step `index` (0-based): linear warm-up over `warmup` steps, then 1."""
-    return min(1.0, (index + 1) / warmup) if warmup else 1.0
-
-
-def linear_lr(index: int, warmup: int, total: int) -> float:
-    """Warm-up, then a straight line from 1 down to 0 at step `total` (the last step gets 1/(total-warmup))."""
-    if index < warmup:
-        return constant_lr(index, warmup, total)
-    return max(0.0, (total - index) / max(total - warmup, 1))
-
-
-def cosine_lr(index: int, warmup: int, total: int) -> float:
-    """Warm-up, then half a cosine from 1 down to 0 at step `total`."""
-    if index < warmup:
-        return constant_lr(index, warmup, total)
-    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, (index - warmup) / max(total - warmup, 1))))
-
-
-# trainer.lr_schedule picks one by name. A run's schedule spans its first trainer.steps, resumes included.
-LR_SCHEDULES = {"constant": constant_lr, "linear": linear_lr, "cosine": cosine_lr}
 
 
 def param_groups(model: torch.nn.Module, lr: float, norm_lr_scale: float) -> list[dict[str, Any]]:

@@ -185,11 +185,11 @@ def completion_logprobs(
     completion_mask: torch.Tensor,
     chunk_tokens: int = 1024,
     temperature: float = 1.0,
-    with_entropy: bool = False,
-    entropy_grad: bool = False,
+    entropy: str | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-probability of each completion token given its prompt's `PromptStates`: float32 `[b, Tc]`
-    (and the entropy at each position `[b, Tc]` with `with_entropy`, see `logprobs_from_hidden`).
+    (and the entropy at each position `[b, Tc]` with `entropy` "detached" or "grad", the latter carrying a
+    gradient: see `logprobs_from_hidden`).
 
     Row i continues prompt `prompt_index[i]` (`[b]`); `completion_ids`/`completion_mask` are
     right-padded `[b, Tc]`. Entry j is `log p(completion[j] | prompt, completion[:j])`: what
@@ -207,8 +207,8 @@ def completion_logprobs(
                   use_cache=True).last_hidden_state  # [b, Tc, H]
     states = torch.cat([prompts.final.index_select(0, prompt_index)[:, None], hidden[:, :-1]], dim=1)  # [b, Tc, H]
     return logprobs_from_hidden(states, head.weight, completion_ids, bias=head.bias, chunk_tokens=chunk_tokens,
-                                temperature=temperature, with_entropy=with_entropy,
-                                entropy_grad=entropy_grad)  # [b, Tc] (, [b, Tc])
+                                temperature=temperature, with_entropy=entropy is not None,
+                                entropy_grad=entropy == "grad")  # [b, Tc] (, [b, Tc])
 
 
 def token_logprobs_reference(

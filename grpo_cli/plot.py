@@ -112,59 +112,22 @@ def plot_runs(run_dirs: list[Path], out: Path, labels: list[str] | None = None) 
     title = f"grpo run {labels[0]}" if not several else f"{len(runs)} runs compared"
     fig.suptitle(title, fontsize=13)
 
-    def line_panel(ax: Any, panel_title: str, series: list[tuple[str, str, str, bool]], ylabel: str,
-                   twin: list[tuple[str, str, str, bool]] | None = None, twin_label: str = "",
-                   fraction: bool = False) -> None:
-        """series: (metrics key, legend name, linestyle, markers). One colour per run when several,
-        one colour per series for a single run."""
-        ax.set_title(panel_title)
-        ax.set_xlabel("step")
-        ax.set_ylabel(ylabel)
-        handles, drawn = [], False
-        groups = [(ax, series, 0)]
-        if twin:
-            tax = ax.twinx()
-            tax.set_ylabel(twin_label)
-            groups.append((tax, twin, len(series)))
-        if fraction:
-            ax.set_ylim(0, 1.02)
-        if twin:
-            tax.set_ylim(0, 1.02)  # the twin axis holds a rate: draw it on its full 0..1 scale
-        for target, group, offset in groups:
-            for j, (key, name, style, markers) in enumerate(group):
-                present = False
-                for r, rows in enumerate(runs):
-                    xs, ys = _series(rows, key)
-                    if not xs:
-                        continue
-                    present = drawn = True
-                    _draw(target, xs, ys, style, f"C{r}" if several else f"C{offset + j}", markers)
-                if present:
-                    color = "0.3" if several else f"C{offset + j}"
-                    handles.append(Line2D([], [], color=color, linestyle=style, marker="o" if markers else None,
-                                          markersize=4, label=name))
-        if drawn:
-            ax.legend(handles=handles, fontsize=8, loc="best")
-            ax.grid(alpha=0.3)
-        else:
-            ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes, color="0.5")
-
     reward_series = list(REWARD_SERIES)
     if not several:  # each reward function's mean too: a stuck format reward shows here first
         names = dict.fromkeys(k for row in runs[0] for k in row if k.startswith("reward/") and k not in REWARD_STATS)
         reward_series += [(k, k.removeprefix("reward/"), ":", False) for k in names]
-    line_panel(axes[0, 0], "reward and held-out accuracy", reward_series, "reward / accuracy")
-    line_panel(axes[0, 1], "KL to the reference (trainer.kl_estimator)", [("kl", "KL", "-", False)], "KL")
-    line_panel(axes[0, 2], "completion length and truncation",
+    _line_panel(axes[0, 0], runs, "reward and held-out accuracy", reward_series, "reward / accuracy")
+    _line_panel(axes[0, 1], runs, "KL to the reference (trainer.kl_estimator)", [("kl", "KL", "-", False)], "KL")
+    _line_panel(axes[0, 2], runs, "completion length and truncation",
                [("completion_len/mean", "length mean", "-", False), ("completion_len/max", "length max", ":", False)],
                "tokens", twin=[("truncation_rate", "truncation rate", "--", False)], twin_label="truncation rate")
-    line_panel(axes[1, 0], "zero-variance groups (no signal)",
+    _line_panel(axes[1, 0], runs, "zero-variance groups (no signal)",
                [("groups/all_correct_frac", "all correct", "-", False),
                 ("groups/all_wrong_frac", "all wrong", "--", False)], "fraction of groups", fraction=True)
     _time_panel(axes[1, 1], runs, labels)
-    line_panel(axes[1, 2], "rollout throughput", [("tokens_per_s", "tokens/s", "-", False)], "tokens / s")
+    _line_panel(axes[1, 2], runs, "rollout throughput", [("tokens_per_s", "tokens/s", "-", False)], "tokens / s")
     for ax, (panel_title, series, ylabel, fraction) in zip(axes[:, 3] if tools else [], TOOL_PANELS):
-        line_panel(ax, panel_title, series, ylabel, fraction=fraction)
+        _line_panel(ax, runs, panel_title, series, ylabel, fraction=fraction)
 
     if several:
         fig.legend(handles=[Line2D([], [], color=f"C{r}", linewidth=3, label=label) for r, label in enumerate(labels)],
@@ -173,6 +136,47 @@ def plot_runs(run_dirs: list[Path], out: Path, labels: list[str] | None = None) 
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out)
     return out
+
+
+def _line_panel(ax: Any, runs: list[list[dict[str, Any]]], panel_title: str, series: list[tuple[str, str, str, bool]],
+                ylabel: str, twin: list[tuple[str, str, str, bool]] | None = None, twin_label: str = "",
+                fraction: bool = False) -> None:
+    """One panel of `runs`' metrics. series: (metrics key, legend name, linestyle, markers). One colour per run
+    when several, one colour per series for a single run."""
+    from matplotlib.lines import Line2D  # here, not at the top: matplotlib loads only when a plot is drawn
+
+    several = len(runs) > 1
+    ax.set_title(panel_title)
+    ax.set_xlabel("step")
+    ax.set_ylabel(ylabel)
+    handles, drawn = [], False
+    groups = [(ax, series, 0)]
+    if twin:
+        tax = ax.twinx()
+        tax.set_ylabel(twin_label)
+        groups.append((tax, twin, len(series)))
+    if fraction:
+        ax.set_ylim(0, 1.02)
+    if twin:
+        tax.set_ylim(0, 1.02)  # the twin axis holds a rate: draw it on its full 0..1 scale
+    for target, group, offset in groups:
+        for j, (key, name, style, markers) in enumerate(group):
+            present = False
+            for r, rows in enumerate(runs):
+                xs, ys = _series(rows, key)
+                if not xs:
+                    continue
+                present = drawn = True
+                _draw(target, xs, ys, style, f"C{r}" if several else f"C{offset + j}", markers)
+            if present:
+                color = "0.3" if several else f"C{offset + j}"
+                handles.append(Line2D([], [], color=color, linestyle=style, marker="o" if markers else None,
+                                      markersize=4, label=name))
+    if drawn:
+        ax.legend(handles=handles, fontsize=8, loc="best")
+        ax.grid(alpha=0.3)
+    else:
+        ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes, color="0.5")
 
 
 def _time_panel(ax: Any, runs: list[list[dict[str, Any]]], labels: list[str]) -> None:

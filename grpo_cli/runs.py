@@ -15,7 +15,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from grpo_cli.checkpoint import COMPLETE_MARKER, STEP_PREFIX, TRAINER_STATE, damaged_weights, read_info
+from grpo_cli.checkpoint import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    COMPLETE_MARKER,
+    STEP_PREFIX,
+    TRAINER_STATE,
+    damaged_weights,
+    is_adapter_dir,
+    read_info,
+    resolve_model_path,
+)
 from grpo_cli.errors import UsageError
 
 RUN_CONFIG = "config.yaml"  # a run's resolved config, written by `grpo train`
@@ -39,8 +49,6 @@ def list_checkpoints(run_dir: Path) -> list[tuple[Path, dict[str, Any]]]:
     rule for complete: not a partial save's directory, and checkpoint.json (written last), config.json (or a LoRA
     run's adapter_config.json) and *.safetensors present. Resuming, pruning and `grpo eval` all list checkpoints
     through here."""
-    from grpo_cli.lora import ADAPTER_CONFIG
-
     root = Path(run_dir) / CHECKPOINTS
     found = []
     for path in sorted(root.iterdir()) if root.is_dir() else []:
@@ -188,7 +196,6 @@ def check_checkpoint(path: Path, name: str) -> None:
         where = f"; {_run_listing(parent.parent)}" if in_run else ""
         raise UsageError(f"'{name}' is a partial checkpoint (an interrupted save: no {COMPLETE_MARKER}, which a "
                          f"complete save writes last){where}")
-    from grpo_cli.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, is_adapter_dir
 
     if is_adapter_dir(path):  # a LoRA checkpoint: peft's adapter files, served on the run's base model
         if not (path / ADAPTER_WEIGHTS).is_file():
@@ -237,8 +244,6 @@ class Target:
 
 def _base_path(name_or_path: str) -> Path:
     """The run's (or recipe's) starting model as a local directory; a hub id must already be in the local cache."""
-    from grpo_cli.checkpoint import resolve_model_path
-
     try:
         resolved = resolve_model_path(name_or_path)
     except FileNotFoundError as e:
@@ -287,6 +292,4 @@ def resolve(name: str, run_dir: Path | None, model_name_or_path: str) -> Target:
 def adapter_base_dir(path: Path, model_name_or_path: str) -> Path | None:
     """The base model a LoRA checkpoint is served on: the run's (or recipe's) model.name_or_path; None for a
     whole model."""
-    from grpo_cli.lora import is_adapter_dir
-
     return _base_path(model_name_or_path) if is_adapter_dir(path) else None

@@ -1,9 +1,11 @@
-"""The process around a command: CPU threads, and the third-party libraries' progress bars and chatter."""
+"""The process around a command: CPU threads, its peak memory, and the third-party libraries' progress bars and
+chatter."""
 
 from __future__ import annotations
 
 import logging
 import os
+import resource
 import sys
 
 
@@ -76,3 +78,9 @@ def quiet_third_party(verbose: bool) -> None:
         from huggingface_hub.utils import disable_progress_bars
 
         disable_progress_bars()
+
+
+def peak_rss_gib() -> float:
+    """This process's peak resident memory so far, GiB (host memory: weights, engine, activations on the CPU)."""
+    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    return kib / 2**20

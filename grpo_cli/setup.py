@@ -4,7 +4,9 @@
 before any model is loaded, so a bad recipe fails in seconds with one line. `resume_or_start`
 finds where the run starts (a resumed run's newest complete checkpoint, refused if its config
 differs), and `start_run` builds the `RunState` every stage of a step reads: the policy, the
-frozen reference, the rollout engine, the optimizer and its schedule, the prompt cursor.
+frozen reference, the rollout engine (`build_engine`), the optimizer and its schedule, the prompt
+cursor. This is the run's composition root: it imports every piece it builds, and no stage imports it
+(the types they share are in state.py).
 """
 
 from __future__ import annotations
@@ -14,56 +16,54 @@ import json
 import os
 import random
 import re
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from grpo_cli.config import DataConfig, TrainConfig, TrainerConfig
+from grpo_cli import data, passes, rewards
+from grpo_cli.checkpoint import (
+    FORMAT_VERSION,
+    checkpoint_weights,
+    damaged_weights,
+    load_policy,
+    load_tokenizer,
+    load_trainer_state,
+    read_info,
+    resolve_model_path,
+    restore_trainer_state,
+)
+from grpo_cli.config import RewardSpec, TrainConfig, TrainerConfig
+from grpo_cli.data import PromptCursor
+from grpo_cli.dist import Dist
+from grpo_cli.dist.channel import current
+from grpo_cli.dist.shard import shard_model
+from grpo_cli.engines.base import Engine
+from grpo_cli.engines.hf import HFEngine
+from grpo_cli.engines.options import max_model_len, sleep_wanted, vllm_lora_rank
+from grpo_cli.engines.remote import RemoteEngine
+from grpo_cli.engines.sharded import ShardedEngine
+from grpo_cli.engines.tools import with_tools
+from grpo_cli.engines.vllm import VLLMEngine
 from grpo_cli.errors import UsageError
+from grpo_cli.heldout import HeldoutSet
+from grpo_cli.lora import check_targets, with_adapters
+from grpo_cli.optim import build_optimizer
+from grpo_cli.prompts import render_row
+from grpo_cli.rewards.load import TOOL_RUN_ONLY
+from grpo_cli.runs import step_checkpoints
+from grpo_cli.runtime import cpu_threads, set_threads
+from grpo_cli.state import RunState, Start, Task
+from grpo_cli.sync import push
+from grpo_cli.tools import load_tools
+from grpo_cli.tools.environment import check_rows
+from grpo_cli.tools.load import environment_of
 
 if TYPE_CHECKING:
     import torch
 
-    from grpo_cli.collect import PromptCursor
-    from grpo_cli.dist import Dist
-    from grpo_cli.heldout import HeldoutSet
-    from grpo_cli.rewards import WeightedReward
-    from grpo_cli.rollout import Engine
-    from grpo_cli.tools import LoadedTool
-
-
-@dataclass
-class Task:
-    """What preflight checked: the prompts, the rewards, the model and its tokenizer."""
-
-    train_rows: list[dict[str, Any]]  # the train split, in dataset order
-    heldout_rows: list[dict[str, Any]]  # the fixed held-out split
-    reward_fns: list[WeightedReward]  # in recipe order (one of them is the correctness check)
-    model_path: str  # the base model's directory (or hub id): the reference, and the start of a new run
-    tokenizer: Any  # the model's tokenizer (a transformers tokenizer, pad token set)
-    data: DataConfig  # how a row becomes a prompt (template, prompt column) and how its answer is marked
-    tools: list[LoadedTool] = dataclasses.field(default_factory=list)  # rollout.tools, loaded (docs/tools.md)
-
-    def encode(self, row: dict[str, Any]) -> list[int]:
-        """A row's prompt, rendered with data.template, as token ids."""
-        from grpo_cli.prompts import render_row
-
-        return self.tokenizer(render_row(row, self.data, self.tokenizer, self.tool_schemas),
-                              add_special_tokens=False)["input_ids"]
-
-    @property
-    def tool_schemas(self) -> list[dict] | None:
-        """The chat-format tools' JSON schemas, shown in every prompt; None otherwise."""
-        from grpo_cli.tools.load import tool_schemas
-
-        return tool_schemas(self.tools)
 
 
 def preflight(cfg: TrainConfig) -> Task:
     """Validate everything a run reads before any model loads; raises UsageError naming the key, file or row."""
-    from grpo_cli import data, rewards
-    from grpo_cli.checkpoint import damaged_weights, load_tokenizer, resolve_model_path
-
     if cfg.model.dtype == "float16":
         raise UsageError("model.dtype: float16 training needs loss scaling (a gradient scaler), which grpo_cli does "
                          "not have; small fp16 gradients underflow to 0. Use bfloat16 (or float32)")
@@ -91,19 +91,13 @@ def preflight(cfg: TrainConfig) -> Task:
         raise UsageError(f"model.name_or_path: {damage}")
     from transformers import AutoConfig
 
-    from grpo_cli import passes
-
     model_config = AutoConfig.from_pretrained(model_path)
     if reason := passes.shared_prompt_unsupported(model_config):
         raise UsageError(f"model.name_or_path: {reason}")
     if cfg.model.lora.enabled:
-        from grpo_cli.lora import check_targets
-        from grpo_cli.rollout import vllm_lora_rank
-
         check_targets(cfg.model.lora, model_config)
         if cfg.rollout.engine == "vllm":
             vllm_lora_rank(cfg.model.lora.rank)  # raises above vLLM's largest
-    from grpo_cli.tools import load_tools
 
     tools = load_tools(cfg.rollout.tools, cfg.rollout.tool_format, cfg.rollout.environment)
     check_tool_run(tools, reward_fns, {"train": train_rows, "held-out": heldout_rows})
@@ -117,10 +111,6 @@ def check_tool_run(tools: list, reward_fns: list, splits: dict[str, list[dict[st
     one has it (tools, an environment), the environment's columns are in every row, and the `environment`
     reward has a reward() to return."""
     import inspect
-
-    from grpo_cli.rewards.score import TOOL_RUN_ONLY
-    from grpo_cli.tools.environment import check_rows
-    from grpo_cli.tools.load import environment_of
 
     env = environment_of(tools)
     given = {"tool_calls": bool(tools), "environment_state": env is not None,
@@ -148,9 +138,6 @@ def check_tool_run(tools: list, reward_fns: list, splits: dict[str, list[dict[st
 def check_prompt_lengths(task: Task, cfg: TrainConfig) -> None:
     """Every prompt + rollout.max_new_tokens (a tool run's whole trajectory) must fit the model's context
     (vLLM would refuse it mid-run)."""
-    from grpo_cli.prompts import render_row
-    from grpo_cli.rollout import max_model_len
-
     context = max_model_len(task.model_path, cfg.model)
     for name, rows in (("train", task.train_rows), ("held-out", task.heldout_rows)):
         texts = [render_row(row, cfg.data, task.tokenizer, task.tool_schemas) for row in rows]
@@ -167,8 +154,6 @@ def setup_torch(cfg: TrainerConfig) -> None:
     """Threads, seeds and determinism, before any model or engine exists."""
     import torch
 
-    from grpo_cli.runtime import cpu_threads, set_threads
-
     set_threads(cpu_threads(cfg.threads, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))  # before vLLM starts
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
@@ -178,22 +163,8 @@ def setup_torch(cfg: TrainerConfig) -> None:
         torch.use_deterministic_algorithms(True)
 
 
-@dataclass
-class Start:
-    """Where a run starts: step 0 from the base model, or a resumed run's newest checkpoint."""
-
-    step: int  # the last step already done (0 for a new run)
-    path: str  # the weights the policy (and the engine) load
-    state: dict[str, Any] | None  # the checkpoint's trainer state (None for a new run)
-    schedule_steps: int  # the training steps the lr schedule spans: the original run's trainer.steps
-    info: dict[str, Any] = dataclasses.field(default_factory=dict)  # the checkpoint's checkpoint.json
-
-
 def resume_or_start(cfg: TrainConfig, run_dir: Path, model_path: str) -> Start:
     """The start point; a resume reads its checkpoint (the CLI resolved resume=DIR|auto to run_dir)."""
-    from grpo_cli.checkpoint import FORMAT_VERSION, damaged_weights, load_trainer_state, read_info
-    from grpo_cli.runs import step_checkpoints
-
     if not cfg.resume:
         return Start(0, model_path, None, cfg.trainer.steps)
     path = str(step_checkpoints(run_dir)[-1])
@@ -217,43 +188,14 @@ def resume_or_start(cfg: TrainConfig, run_dir: Path, model_path: str) -> Start:
     return Start(info["step"], path, state, schedule_steps, info)
 
 
-@dataclass
-class RunState:
-    """What a run holds from its first step to its last, built once by `start_run`. Every stage of a step
-    takes it and the config section it reads (the whole TrainConfig when it reads several)."""
-
-    task: Task  # the prompts, the rewards, the base model and its tokenizer
-    dist: Dist  # this process's rank, the world size, the device; the loop's collectives
-    run_dir: Path  # where metrics, logs and checkpoints go
-    start: Start  # step 0 from the base model, or the checkpoint a resume continues from
-    policy: torch.nn.Module  # the model being trained (inside its FSDP2 root at world size > 1)
-    reference: torch.nn.Module | None  # the frozen reference for the KL term; None when trainer.kl_coef = 0 or with LoRA
-    engine: Engine  # the rollout engine (rollout.engine), holding a copy of the policy's weights
-    optimizer: torch.optim.Optimizer  # AdamW over the policy's parameters
-    scheduler: torch.optim.lr_scheduler.LambdaLR  # warm-up and trainer.lr_schedule, over optimizer steps
-    cursor: PromptCursor  # the train rows' seeded order and position (saved for an exact resume)
-    heldout: HeldoutSet  # the eval.num_problems held-out problems every evaluation samples
-    best_pass: float = -1.0  # the best held-out pass@1 so far; checkpoints/best holds that model
-    history: list[dict[str, Any]] = field(default_factory=list)  # every step's metrics, for the summary
-
-
 def start_run(cfg: TrainConfig, task: Task, run_dir: Path, engine: Engine | None = None) -> RunState:
     """This process's place in the job, the start point, the models and the engine, the optimizer and the
     prompt cursor, with a resumed run's trainer state put back. A given `engine` (one process only)
     takes the start point's weights instead of a new one starting."""
-    from grpo_cli.checkpoint import checkpoint_weights, load_policy, restore_trainer_state
-    from grpo_cli.collect import PromptCursor
-    from grpo_cli.dist import Dist
-    from grpo_cli.dist.shard import shard_model
-    from grpo_cli.heldout import HeldoutSet
-    from grpo_cli.optim import build_optimizer
-    from grpo_cli.rollout import build_engine
-
     dist = Dist.init(cfg.trainer.device, alone=cfg.rollout.placement == "split")
     start = resume_or_start(cfg, run_dir, task.model_path)
     lora = cfg.model.lora
     if lora.enabled:  # the base, frozen, in model.dtype; the adapters on top (fp32), a resume's from its checkpoint
-        from grpo_cli.lora import with_adapters
 
         weights = task.model_path
         policy = load_policy(weights, cfg.model.dtype).to(dist.device)
@@ -270,20 +212,7 @@ def start_run(cfg: TrainConfig, task: Task, run_dir: Path, engine: Engine | None
         # reference is the policy with its adapters off (update.reference_logprobs): no second copy
         reference = shard_model(load_policy(task.model_path, cfg.model.dtype).to(dist.device).eval()
                                 .requires_grad_(False), dist, cfg.dist.reshard_layers)
-    from grpo_cli.sync import push
-    from grpo_cli.tools.trajectories import with_tools
-
-    tool_loop = lambda e: with_tools(e, task.tools, cfg.rollout)  # noqa: E731 - the engine itself without tools
-    if cfg.rollout.placement == "split":  # the generator rank's engine; its tools run there too (generator.py)
-        from grpo_cli.dist.channel import current
-        from grpo_cli.generator import RemoteEngine
-
-        engine = RemoteEngine(current(), task.tokenizer, weights)
-    elif engine is None:
-        engine = build_engine(cfg, weights, policy, task.tokenizer, dist, wrap=tool_loop)
-    else:
-        engine.push_weights(checkpoint_weights(weights).items())
-        engine = tool_loop(engine)
+    engine = build_engine(cfg, task, weights, policy, dist, engine)
     if lora.enabled:  # the engine serves the base: it takes the adapters (B = 0 in a new run) before the first step
         push(engine, policy)
     trainer = cfg.trainer if lora.lr is None or not lora.enabled else dataclasses.replace(cfg.trainer, lr=lora.lr)
@@ -298,6 +227,25 @@ def start_run(cfg: TrainConfig, task: Task, run_dir: Path, engine: Engine | None
             state.history = truncate_metrics(run_dir / "metrics.jsonl", start.step)  # drop steps after the checkpoint
         dist.barrier()
     return state
+
+
+def build_engine(cfg: TrainConfig, task: Task, weights: str, policy: torch.nn.Module, dist: Dist,
+                 given: Engine | None = None) -> Engine:
+    """The run's engine on `weights` (the table keeps the loop free of engine branches): rollout.engine's, or
+    `given` (one process) with those weights pushed in; inside the tool loop when the recipe has tools (each
+    rank runs its own samples' tools); at world size > 1 this rank's inside a ShardedEngine. A split job's is
+    the generator rank's, reached over the channel (its tools run there: generator.py)."""
+    if cfg.rollout.placement == "split":
+        return RemoteEngine(current(), task.tokenizer, weights)
+    builders = {
+        "vllm": lambda: VLLMEngine(weights, cfg.model, cfg.rollout, cfg.trainer.seed, cfg.logging.verbose_libraries,
+                                   sleep=sleep_wanted(cfg.rollout, dist.device), world_size=dist.world_size),
+        "hf": lambda: HFEngine(policy, task.tokenizer, lambda: dist.autocast(cfg.model.dtype)),
+    }
+    if given is not None:
+        given.push_weights(checkpoint_weights(weights).items())
+    engine = with_tools(given if given is not None else builders[cfg.rollout.engine](), task.tools, cfg.rollout)
+    return ShardedEngine(engine, dist, cfg.rollout.tensor_parallel_size) if dist.world_size > 1 else engine
 
 
 # Keys that may change between a run and its resume; any other difference would make the
@@ -324,8 +272,6 @@ def check_same_run(saved: dict[str, Any], current: dict[str, Any]) -> None:
     """Refuse a resume whose config differs from the run's, except in RESUMABLE_CHANGES. A key the
     saved run predates (the schema gained it since) counts as unchanged when the current value is
     the schema's default."""
-    from grpo_cli.config import RewardSpec
-
     a, b = _flat(saved), _flat(current)
     defaults = _flat(dataclasses.asdict(TrainConfig(task="-", rewards=[RewardSpec(name="-")])))
     for k in set(b) - set(a):

@@ -12,15 +12,20 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
+from grpo_cli import passes
 from grpo_cli.batch import TrainBatch
 from grpo_cli.config import RolloutConfig, TrainerConfig
+from grpo_cli.dist.shard import full_parameters, full_tensors, gathered, run_pass
+from grpo_cli.engines.base import Engine
+from grpo_cli.errors import RunFailure
+from grpo_cli.lora import adapter_config, adapter_tensors, is_adapter_model, merged_tensors
+from grpo_cli.optim import move_optimizer_state
+from grpo_cli.state import RunState
+from grpo_cli.timer import StepTimer
 
 if TYPE_CHECKING:
     import torch
 
-    from grpo_cli.metrics import StepTimer
-    from grpo_cli.rollout import Engine
-    from grpo_cli.setup import RunState
 
 PROBE_SEQUENCES = 4  # sequences re-scored by the engine in a push check
 
@@ -30,9 +35,6 @@ def push(engine: Engine, policy: torch.nn.Module) -> None:
     gathered one at a time as the engine reads them (never the whole model in extra memory). With LoRA
     (docs/lora.md) the adapters alone where the engine takes them (`push_mode`), else the base weights
     with the adapters merged in."""
-    from grpo_cli.dist.shard import full_tensors
-    from grpo_cli.lora import adapter_config, adapter_tensors, is_adapter_model, merged_tensors
-
     if not is_adapter_model(policy):
         engine.push_weights(full_tensors(policy))
     elif engine.adapters == "request":
@@ -52,8 +54,6 @@ def push_mode(engine: Engine) -> str:
 def release_engine(state: RunState, cfg: TrainerConfig, timings: StepTimer) -> None:
     """After generation: the engine sleeps (with sleep mode on) and an offloaded optimizer state
     comes back to the trainer's device for the update."""
-    from grpo_cli.optim import move_optimizer_state
-
     with timings("sleep"):
         state.engine.sleep()
         if cfg.offload_optimizer:
@@ -64,8 +64,6 @@ def push_to_engine(state: RunState, cfg: TrainerConfig, timings: StepTimer) -> N
     """After the update: the optimizer state leaves the device (trainer.offload_optimizer), the engine
     wakes its weights, takes the new ones, then wakes its KV cache, so the next generate and the
     push check both run on woken, updated weights (trl #5312: a push before the wake-up was lost)."""
-    from grpo_cli.optim import move_optimizer_state
-
     with timings("sleep"):
         if cfg.offload_optimizer:
             move_optimizer_state(state.optimizer, "cpu")
@@ -83,9 +81,6 @@ def push_check(engine: Engine, policy: torch.nn.Module, sequences: list[list[int
     import contextlib
 
     import torch
-
-    from grpo_cli import passes
-    from grpo_cli.dist.shard import gathered, run_pass
 
     engine_lp = engine.score(sequences)
     worst = 0.0
@@ -115,24 +110,16 @@ def exact_push_check(engine: Engine, policy: torch.nn.Module) -> tuple[int, int]
     None when the engine cannot show its tensors (the transformers engine shares the policy's). Under tensor
     parallelism a tensor the rank holds a shard of is compared when the shard is the whole tensor. With LoRA the
     base's EXACT_TENSORS, and where the engine serves the adapters, EXACT_ADAPTERS' A and B as it holds them."""
-    from grpo_cli.dist.shard import full_tensors
-    from grpo_cli.lora import is_adapter_model
-
-    inner = engine
-    while not hasattr(inner, "read_weights") and hasattr(inner, "engine"):  # a ShardedEngine, a ToolEngine
-        inner = inner.engine
-    if not hasattr(inner, "read_weights"):
-        return None
     prefix = "base_model.model." if is_adapter_model(policy) else ""  # a peft model's names of the base's tensors
-    engine_tensors = inner.read_weights(EXACT_TENSORS)
+    engine_tensors = engine.read_weights(EXACT_TENSORS)  # {} where the engine shares the policy's tensors
     differ = compared = 0
     for name, tensor in full_tensors(policy, [prefix + n for n in EXACT_TENSORS]):  # every rank: the same, in order
         mine = engine_tensors.get(name.removeprefix(prefix))
         if mine is not None and mine.shape == tensor.shape:
             differ += mismatched_elements(mine, tensor)
             compared += tensor.numel()
-    if prefix and inner.adapters == "request":
-        adapter_differ, adapter_compared = exact_adapter_check(inner, policy)
+    if prefix and engine.adapters == "request":
+        adapter_differ, adapter_compared = exact_adapter_check(engine, policy)
         differ, compared = differ + adapter_differ, compared + adapter_compared
     return (differ, compared) if compared else None
 
@@ -141,12 +128,9 @@ def exact_push_check(engine: Engine, policy: torch.nn.Module) -> tuple[int, int]
 EXACT_ADAPTERS = ("model.layers.0.self_attn.o_proj", "model.layers.0.mlp.down_proj")
 
 
-def exact_adapter_check(engine: Any, policy: torch.nn.Module) -> tuple[int, int]:
+def exact_adapter_check(engine: Engine, policy: torch.nn.Module) -> tuple[int, int]:
     """(elements that differ, elements compared) between the adapters the engine serves and the policy's, over
     EXACT_ADAPTERS: A as pushed, B with the alpha/r scale vLLM folds into it, in the engine's LoRA dtype."""
-    from grpo_cli.dist.shard import full_parameters
-    from grpo_cli.lora import adapter_config
-
     served = engine.read_adapter(EXACT_ADAPTERS)
     config = adapter_config(policy)
     scale = config["lora_alpha"] / config["r"]
@@ -164,8 +148,6 @@ def exact_adapter_check(engine: Any, policy: torch.nn.Module) -> tuple[int, int]
 
 
 def stale_weights_error(worst: float, tol: float, where: str = "") -> Exception:
-    from grpo_cli.errors import RunFailure
-
     return RunFailure(f"the rollout engine{where} holds stale weights: its logprobs differ from the trainer's by "
                         f"{worst:.2e} (> rollout.push_check_tol={tol:g}) after a weight push")
 
@@ -189,7 +171,6 @@ def maybe_push_check(state: RunState, batch: TrainBatch, step: int, cfg: Rollout
         differ, compared = per_rank[worst]
         if differ:
             where = f" of rank {worst}" if dist.world_size > 1 else ""
-            from grpo_cli.errors import RunFailure
 
             raise RunFailure(f"the rollout engine{where} holds stale weights: {differ} of {compared} elements of "
                              f"{', '.join(EXACT_TENSORS)} (with LoRA, and of {', '.join(EXACT_ADAPTERS)}'s adapters) "

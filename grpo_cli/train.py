@@ -18,16 +18,32 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from grpo_cli.ahead import RolloutsAhead, staleness_metrics
+from grpo_cli.batch import TrainBatch
+from grpo_cli.checkpoint import STEP_PREFIX, checkpoint_info, save_checkpoint, trainer_state
+from grpo_cli.collect import Groups, collect_groups
 from grpo_cli.config import TrainConfig
-
-if TYPE_CHECKING:
-    from grpo_cli.ahead import RolloutsAhead
-    from grpo_cli.collect import Groups
-    from grpo_cli.dist import Dist
-    from grpo_cli.rollout import Engine
-    from grpo_cli.setup import RunState, Start
+from grpo_cli.console import make_console, summary_lines
+from grpo_cli.dist import COLLECTIVE_SECONDS, Dist
+from grpo_cli.engines.base import Engine, Sampling
+from grpo_cli.generator import is_generator_rank, serve
+from grpo_cli.heldout import add_greedy_metrics, flatten, heldout_metrics
+from grpo_cli.loggers import NullLogger, make_logger
+from grpo_cli.lora import summary
+from grpo_cli.metrics import rank_metrics, step_metrics
+from grpo_cli.plot import plot_runs
+from grpo_cli.rollout import sample_seeds
+from grpo_cli.runs import prune_checkpoints
+from grpo_cli.runtime import quiet_third_party
+from grpo_cli.setup import preflight, setup_torch, start_run
+from grpo_cli.state import RunState, Start
+from grpo_cli.sync import maybe_push_check, push_mode, push_to_engine, release_engine
+from grpo_cli.timer import StepTimer
+from grpo_cli.tools.load import close_tools
+from grpo_cli.update import fill_logprobs, loss_params, update
+from grpo_cli.watch import NonFiniteGuard, ZeroVarianceWatch
 
 log = logging.getLogger("grpo_cli.train")
 
@@ -36,20 +52,7 @@ def run(cfg: TrainConfig, run_dir: Path, engine: Engine | None = None) -> int:
     """Train; returns the exit code (0, or 130 after Ctrl-C). `engine`: a vLLM engine already serving this
     model's architecture (a notebook's, a test's), which takes the start point's weights instead of a new
     engine starting (tens of seconds on a CPU)."""
-    from grpo_cli.runtime import quiet_third_party
-
     quiet_third_party(cfg.logging.verbose_libraries)  # before vLLM/datasets/transformers are imported
-    from grpo_cli.ahead import RolloutsAhead, staleness_metrics
-    from grpo_cli.batch import TrainBatch
-    from grpo_cli.collect import collect_groups
-    from grpo_cli.dist import COLLECTIVE_SECONDS
-    from grpo_cli.generator import generator_metrics, is_generator_rank, serve, stop_generator
-    from grpo_cli.metrics import StepTimer, rank_metrics, step_metrics
-    from grpo_cli.setup import preflight, setup_torch, start_run
-    from grpo_cli.sync import maybe_push_check, push_to_engine, release_engine
-    from grpo_cli.tools.load import close_tools
-    from grpo_cli.update import fill_logprobs, loss_params, update
-    from grpo_cli.watch import NonFiniteGuard
 
     task = preflight(cfg)  # data, rewards, model files, prompt lengths: before any model loads
     setup_torch(cfg.trainer)
@@ -90,7 +93,7 @@ def run(cfg: TrainConfig, run_dir: Path, engine: Engine | None = None) -> int:
             metrics = step_metrics(step, groups, batch, stats, timings, state.scheduler.get_last_lr()[0], started)
             metrics.update(staleness_metrics(step, sampled) if ahead is not None else {})
             metrics.update(rank_metrics(state.dist, COLLECTIVE_SECONDS[0] - collective_start))
-            metrics.update(generator_metrics(state.engine))  # rollout.placement=split: the generator rank's memory
+            metrics.update(state.engine.step_metrics())  # rollout.placement=split: the generator rank's memory
             metrics.update(maybe_heldout_eval(state, cfg, step))
             out.record(metrics)
             last = step == t_cfg.steps
@@ -109,7 +112,7 @@ def run(cfg: TrainConfig, run_dir: Path, engine: Engine | None = None) -> int:
         out.close()
         close_tools(task.tools)  # the tools' and the environment's workers
     state.dist.barrier()  # every rank is done; then a normal exit (destroy_process_group aborts on gloo: docs/design.md)
-    stop_generator(state.engine)  # rollout.placement=split: the generator rank's serve returns
+    state.engine.close()  # rollout.placement=split: the generator rank's serve returns
     if state.dist.is_main:
         out.summary(time.time() - started)
     return exit_code
@@ -120,10 +123,6 @@ class RunOutput:
     Only the main rank writes."""
 
     def __init__(self, cfg: TrainConfig, run_dir: Path, history: list[dict[str, Any]], dist: Dist) -> None:
-        from grpo_cli.console import make_console
-        from grpo_cli.loggers import NullLogger, make_logger
-        from grpo_cli.watch import ZeroVarianceWatch
-
         self.cfg, self.run_dir, self.history, self.dist = cfg, run_dir, history, dist
         steps, every = cfg.trainer.steps, cfg.logging.every
         self.logger = make_logger(cfg.logging, run_dir, dataclasses.asdict(cfg)) if dist.is_main else NullLogger()
@@ -143,9 +142,6 @@ class RunOutput:
                           f"{cfg.trainer.steps} steps of {cfg.rollout.prompts_per_step} prompts x "
                           f"{cfg.rollout.group_size}{ranks} | run dir {self.run_dir}")
         if cfg.model.lora.enabled:
-            from grpo_cli.lora import summary
-            from grpo_cli.sync import push_mode
-
             self.console.info(f"{summary(state.policy, cfg.model.lora)} | push: {push_mode(state.engine)}")
         for note in self.logger.notes:
             self.console.info(note)
@@ -185,9 +181,6 @@ class RunOutput:
 
     def summary(self, wall_s: float) -> None:
         """After the last step: the run's plot, and a few lines on what it did and where its files are."""
-        from grpo_cli.console import summary_lines
-        from grpo_cli.plot import plot_runs
-
         plot_runs([self.run_dir], self.run_dir / "metrics.png")
         for line in summary_lines(self.history, self.run_dir, wall_s):
             print(line)
@@ -212,9 +205,6 @@ def heldout_eval(state: RunState, cfg: TrainConfig, step: int) -> dict[str, floa
     size > 1 the ranks' engines sample their shares of the problems (ShardedEngine), and rank 0's
     metrics are everyone's (a reward that timed out on one rank only must not split the best-model
     decision)."""
-    from grpo_cli.heldout import add_greedy_metrics, flatten, heldout_metrics
-    from grpo_cli.rollout import Sampling, sample_seeds
-
     sampling = Sampling(cfg.eval.samples_per_problem, cfg.eval.temperature, cfg.rollout.top_p,
                         cfg.rollout.max_new_tokens)
     seeds = sample_seeds(cfg.trainer.seed, step, len(state.heldout.rows), stream=1)
@@ -230,9 +220,6 @@ def maybe_checkpoint(state: RunState, metrics: dict[str, Any], cfg: TrainConfig,
     """The best model by held-out pass@1, and a resumable checkpoint every checkpoint.every steps, at the
     end and when `save_now` (with the batches sampled ahead, rollout.max_staleness); `state.best_pass` follows
     the best."""
-    from grpo_cli.checkpoint import STEP_PREFIX, checkpoint_info, save_checkpoint, trainer_state
-    from grpo_cli.runs import prune_checkpoints
-
     step, checkpoints = metrics["step"], state.run_dir / "checkpoints"
     info = checkpoint_info(step, cfg, state.task.model_path, metrics.get("eval/pass@1"), state.dist.world_size)
     if metrics.get("eval/pass@1", -1.0) > state.best_pass:
@@ -252,7 +239,6 @@ def maybe_checkpoint(state: RunState, metrics: dict[str, Any], cfg: TrainConfig,
 class GracefulStop:
     """SIGINT handling: the first Ctrl-C asks the loop to stop after the current step (it
     checkpoints and exits 130); a second one exits at once with 130."""
-
     # Under torchrun a Ctrl-C reaches a worker twice: from the terminal, and forwarded by the agent.
     # A second SIGINT this soon after the first is that copy, not a second press.
     ECHO_S = 2.0

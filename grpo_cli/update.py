@@ -13,23 +13,23 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
-from grpo_cli.batch import Minibatch, TrainBatch
+from grpo_cli import grpo, passes
+from grpo_cli.batch import Minibatch, TrainBatch, minibatch_normalizer
+from grpo_cli.collect import Groups
 from grpo_cli.config import TrainConfig
+from grpo_cli.dist import Dist
+from grpo_cli.dist.shard import grad_norm_tensor, reshard_all, run_pass
+from grpo_cli.grpo import LossParams
+from grpo_cli.lora import adapters_off
+from grpo_cli.state import RunState
 
 if TYPE_CHECKING:
     import torch
 
-    from grpo_cli import grpo
-    from grpo_cli.collect import Groups
-    from grpo_cli.dist import Dist
-    from grpo_cli.grpo import LossParams
-    from grpo_cli.setup import RunState
 
 
 def loss_params(cfg: TrainConfig) -> LossParams:
     """The recipe's loss choices as `grpo.LossParams` (the KL leaves the loss when it goes into the reward)."""
-    from grpo_cli import grpo
-
     t = cfg.trainer
     return grpo.LossParams(
         clip_eps=t.clip_eps, clip_eps_high=t.clip_eps_high, kl_coef=0.0 if t.kl_in_reward else t.kl_coef,
@@ -57,9 +57,6 @@ def batch_logprobs(model: torch.nn.Module | None, batch: TrainBatch, chunk_token
     import contextlib
 
     import torch
-
-    from grpo_cli import passes
-    from grpo_cli.dist.shard import reshard_all, run_pass
 
     out = []
     with torch.no_grad(), (autocast or contextlib.nullcontext)():
@@ -93,8 +90,6 @@ def reference_logprobs(state: RunState, batch: TrainBatch, cfg: TrainConfig,
     LoRA the policy with its adapters off, which is the base model exactly (docs/lora.md)."""
     chunk, temperature = cfg.trainer.logprob_chunk_tokens, cfg.rollout.temperature
     if cfg.model.lora.enabled and cfg.trainer.kl_coef > 0:
-        from grpo_cli.lora import adapters_off
-
         with adapters_off(state.policy):
             return batch_logprobs(state.policy, batch, chunk, temperature, autocast)
     return batch_logprobs(state.reference, batch, chunk, temperature, autocast)
@@ -104,9 +99,6 @@ def renormalize_without_rejected(batch: TrainBatch, cfg: TrainConfig, dist: Dist
     """seq_mask: the samples it rejects leave the loss entirely, the normalizer included. The loss makes the
     same decision from the same old logprobs (grpo.seq_mask_keep); here each minibatch's normalizer is
     recomputed over the samples every rank keeps."""
-    from grpo_cli import grpo
-    from grpo_cli.batch import minibatch_normalizer
-
     params = loss_params(cfg)
     rejected = []
     for mb in batch.micro_batches:
@@ -123,8 +115,6 @@ def kl_into_advantages(batch: TrainBatch, groups: Groups, cfg: TrainConfig, dist
     reference, `trainer.kl_estimator`), then the advantages of the kept groups again. A completion
     left out of the loss (mask_truncated) keeps its reward. Returns the mean penalty."""
     import torch
-
-    from grpo_cli import grpo
 
     kept = groups.kept()
     penalty = torch.zeros(len(kept), groups.group_size)  # [P', G]
@@ -194,9 +184,6 @@ def minibatch_step(state: RunState, part: Minibatch, params: LossParams, cfg: Tr
     grad norm and finite, read from the device once (the step's only wait for it)."""
     import torch
 
-    from grpo_cli import grpo, passes
-    from grpo_cli.dist.shard import grad_norm_tensor, reshard_all, run_pass
-
     t_cfg, policy, optimizer, dist = cfg.trainer, state.policy, state.optimizer, state.dist
     loss_fn = grpo.LOSSES[t_cfg.loss]
     optimizer.zero_grad(set_to_none=True)
@@ -208,8 +195,8 @@ def minibatch_step(state: RunState, part: Minibatch, params: LossParams, cfg: Tr
         with dist.autocast(cfg.model.dtype):
             logps, entropy = run_pass(
                 policy, passes.completion_logprobs, leaves, mb.prompt_index, mb.ids, mb.attended, t_cfg.logprob_chunk_tokens,
-                temperature=cfg.rollout.temperature, with_entropy=True,
-                entropy_grad=params.entropy_coef > 0)  # [b, Tc] x 2
+                temperature=cfg.rollout.temperature,
+                entropy="grad" if params.entropy_coef > 0 else "detached")  # [b, Tc] x 2
         inputs = grpo.LossInputs(logps, mb.mask, mb.advantages, old_logprobs=mb.old_logprobs,
                                  ref_logprobs=mb.ref_logprobs, sampling_logprobs=mb.sampling_logprobs,
                                  normalizer=part.normalizer, entropy=entropy)

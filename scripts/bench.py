@@ -223,7 +223,9 @@ def worker_bounds(args: argparse.Namespace) -> dict[str, Any]:
 
     from grpo_cli import rewards
     from grpo_cli.checkpoint import resolve_model_path
-    from grpo_cli.rollout import Sampling, VLLMEngine, sample_seeds
+    from grpo_cli.engines.base import Sampling
+    from grpo_cli.engines.vllm import VLLMEngine
+    from grpo_cli.rollout import sample_seeds
 
     torch.set_num_threads(threads)
     cfg = load_recipe()

@@ -97,8 +97,8 @@ def synthetic_batch(prompts: int, group_size: int, prompt_tokens: int, completio
     import torch
 
     from grpo_cli.collect import Groups
+    from grpo_cli.engines.base import Rollouts
     from grpo_cli.rewards import RewardFailures, Scores
-    from grpo_cli.rollout import Rollouts
 
     g = torch.Generator().manual_seed(1)
     P, G = prompts, group_size
@@ -124,7 +124,7 @@ def update_once(build: Callable[[], Any], reshard_layers: bool, groups: Any, dis
     from grpo_cli.batch import TrainBatch
     from grpo_cli.config import RewardSpec, RolloutConfig, TrainConfig, TrainerConfig
     from grpo_cli.dist.shard import full_tensors, shard_model
-    from grpo_cli.setup import RunState
+    from grpo_cli.state import RunState
     from grpo_cli.update import fill_logprobs, loss_params, update
 
     P = len(groups.prompt_ids)

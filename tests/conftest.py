@@ -1,7 +1,7 @@
 """Session-scoped fixtures shared by the test suite.
 
 - `shipped_model_dir`: the small model committed in grpo_cli/models/bike_base.
-- `vllm_engine`: ONE in-process vLLM rollout engine (`grpo_cli.rollout.VLLMEngine`) on the shipped model
+- `vllm_engine`: ONE in-process vLLM rollout engine (`grpo_cli.engines.vllm.VLLMEngine`) on the shipped model
   for the whole session; starting one costs tens of seconds on CPU. Its raw `vllm.LLM` is
   `vllm_engine.llm`. A test that pushes weights into it must push `shipped_weights` back before it
   returns. A second in-process engine would break this one when it is torn down (docs/design.md), so a
@@ -43,7 +43,7 @@ def vllm_engine(shipped_model_dir):
     import torch
 
     from grpo_cli.config import ModelConfig, RolloutConfig
-    from grpo_cli.rollout import VLLMEngine
+    from grpo_cli.engines.vllm import VLLMEngine
 
     # Set before the engine starts: vLLM binds its OpenMP threads at start-up (one thread
     # without this) and then turns torch.set_num_threads into a no-op for the whole process.

@@ -180,10 +180,10 @@ def test_a_split_job_trains_as_one_process_with_the_same_schedule(tmp_path):
 GENERATOR_FAILS = '''
 import os
 if os.environ.get("RANK") == "1":
-    import grpo_cli.rollout as _rollout
+    import grpo_cli.engines.vllm as _vllm
     def broken(self, *args, **kwargs):
         raise RuntimeError("injected failure in the generator")
-    _rollout.VLLMEngine.__init__ = broken
+    _vllm.VLLMEngine.__init__ = broken
 '''
 
 

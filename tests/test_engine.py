@@ -27,8 +27,9 @@ def test_vllm_push_changes_engine_logprobs_to_match_trainer(vllm_engine, shipped
     import torch
 
     from grpo_cli import passes
+    from grpo_cli.engines.base import Sampling
     from grpo_cli.prompts import render_plain
-    from grpo_cli.rollout import Sampling, sample_seeds
+    from grpo_cli.rollout import sample_seeds
 
     path, policy, tokenizer = shipped
     prompt = tokenizer(render_plain("A city bike costs 10 per day and Ana keeps it for 3 days. "
@@ -60,8 +61,9 @@ def test_vllm_push_changes_engine_logprobs_to_match_trainer(vllm_engine, shipped
 
 def test_sampling_seeds_are_per_prompt_and_reproducible(vllm_engine, shipped):
     _, _, tokenizer = shipped
+    from grpo_cli.engines.base import Sampling
     from grpo_cli.prompts import render_plain
-    from grpo_cli.rollout import Sampling, sample_seeds
+    from grpo_cli.rollout import sample_seeds
 
     q = "A city bike costs 10 per day and Ana keeps it for 3 days. How much does Ana pay in total?"
     prompt = tokenizer(render_plain(q), add_special_tokens=False)["input_ids"]
@@ -138,7 +140,8 @@ def sampling_mismatch(engine, policy, prompts, temperature):
     import torch
 
     from grpo_cli import passes
-    from grpo_cli.rollout import Sampling, sample_seeds
+    from grpo_cli.engines.base import Sampling
+    from grpo_cli.rollout import sample_seeds
 
     out = engine.generate(prompts, Sampling(4, temperature, 1.0, 40), sample_seeds(0, 3, len(prompts)))
     total, tokens = 0.0, 0
@@ -158,8 +161,8 @@ def test_sampling_logprobs_are_of_the_distribution_sampled_from_at_any_temperatu
     (logits / rollout.temperature): the mismatch metric at T=0.7 stays at its T=1 level. vLLM's default
     (raw logprobs, before the temperature) gave 0.016 here at T=0.7, against 1e-8 at T=1."""
     from grpo_cli.checkpoint import load_policy
+    from grpo_cli.engines.hf import HFEngine
     from grpo_cli.prompts import render_plain
-    from grpo_cli.rollout import HFEngine
 
     path, _, tokenizer = shipped
     # the shipped weights, as the session's engine holds them (another test nudges the `shipped` policy)
@@ -176,8 +179,9 @@ def test_temperature_zero_is_greedy_on_both_engines(vllm_engine, shipped):
     """Sampling(temperature=0) is greedy decoding: the transformers engine (whose generate refuses temperature
     0) writes the same tokens as vLLM, whatever the seeds."""
     from grpo_cli.checkpoint import load_policy
+    from grpo_cli.engines.base import Sampling
+    from grpo_cli.engines.hf import HFEngine
     from grpo_cli.prompts import render_plain
-    from grpo_cli.rollout import HFEngine, Sampling
 
     path, _, tokenizer = shipped
     engine = HFEngine(load_policy(path, "float32"), tokenizer)

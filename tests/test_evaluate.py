@@ -21,8 +21,8 @@ import pytest
 from grpo_cli import heldout
 from grpo_cli.checkpoint import checkpoint_weights
 from grpo_cli.config import DataConfig
+from grpo_cli.engines.base import Sampling
 from grpo_cli.heldout import HeldoutSet, answer_key, majority_vote, pass_at_1_by_calling, pass_at_k, summarise
-from grpo_cli.rollout import Sampling
 
 REPO = Path(__file__).resolve().parents[1]
 EVAL_KEYS = {"pass@1", "pass@k", "k", "maj@k", "mean_length", "truncation_rate", "mean_reward", "per_tier",
@@ -96,7 +96,7 @@ class ScriptedEngine:
         self.tokenizer = type("Decoder", (), {"decode": staticmethod(lambda ids: f"prompt {ids}")})()
 
     def generate(self, prompt_ids, sampling, seeds, rows=None):
-        from grpo_cli.rollout import Rollouts
+        from grpo_cli.engines.base import Rollouts
 
         assert len(self.texts) == len(prompt_ids) and all(len(g) == sampling.n for g in self.texts)
         ids = [[[0] * len(t) for t in group] for group in self.texts]
@@ -324,7 +324,7 @@ def test_eval_of_three_checkpoints_starts_one_engine(shipped_run, tmp_path, cli,
     """base + perturbed + final in one `grpo eval`: one engine, weights pushed; the base model's pass@1 in its
     band. The engine it starts on the first checkpoint is the session's, with that checkpoint's weights
     pushed in (starting a second one in this process would break the first: docs/design.md)."""
-    from grpo_cli import rollout
+    from grpo_cli import evaluate
     from grpo_cli.checkpoint import checkpoint_weights
 
     starts = []
@@ -334,7 +334,7 @@ def test_eval_of_three_checkpoints_starts_one_engine(shipped_run, tmp_path, cli,
         vllm_engine.push_weights(checkpoint_weights(model_path).items())
         return vllm_engine
 
-    monkeypatch.setattr(rollout, "VLLMEngine", start_engine)
+    monkeypatch.setattr(evaluate, "VLLMEngine", start_engine)
     ckpts = shipped_run / "checkpoints"
     out_file = tmp_path / "compare.json"
     try:

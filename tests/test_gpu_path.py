@@ -14,15 +14,19 @@ from pathlib import Path
 import pytest
 import torch
 
+from grpo_cli.engines.base import DelegatingEngine
+
 REPO = Path(__file__).resolve().parents[1]
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-class RecordingEngine:
+
+class RecordingEngine(DelegatingEngine):
     """The transformers engine with every call written down, asleep or awake. vLLM's sleep mode needs
     CUDA memory, so its calls are checked here for order: the only stand-in for what cannot run here."""
 
     def __init__(self, inner):
+        super().__init__(inner)
         self.inner, self.calls, self.asleep = inner, [], False
 
     def generate(self, *args, **kwargs):
@@ -54,17 +58,17 @@ class RecordingEngine:
 @pytest.mark.slow
 def test_the_loop_sleeps_after_generating_and_wakes_weights_then_kv_cache_around_the_push(tmp_path, monkeypatch,
                                                                                          tiny_model_dir):
-    from grpo_cli import rollout, train
+    from grpo_cli import setup, train
     from grpo_cli.cli import load_config
 
     engines = []
-    real_build = rollout.build_engine
+    real_build = setup.build_engine
 
     def recording_build(*args, **kwargs):
         engines.append(RecordingEngine(real_build(*args, **kwargs)))
         return engines[-1]
 
-    monkeypatch.setattr(rollout, "build_engine", recording_build)
+    monkeypatch.setattr(setup, "build_engine", recording_build)
     cfg = load_config("train", ["recipe=bike_pricing", f"model.name_or_path={tiny_model_dir}",
                                 f"output_dir={tmp_path / 'runs'}", "rollout.engine=hf", "trainer.steps=2",
                                 "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=8",
@@ -93,7 +97,8 @@ def test_device_and_dtype_seam_on_the_cpu(monkeypatch):
 
 def test_sleep_mode_auto_follows_the_trainer_device_and_the_hf_engine_ignores_it():
     from grpo_cli.config import RolloutConfig
-    from grpo_cli.rollout import HFEngine, sleep_wanted
+    from grpo_cli.engines.hf import HFEngine
+    from grpo_cli.engines.options import sleep_wanted
 
     assert sleep_wanted(RolloutConfig(sleep_mode="auto"), "cuda:0") is True
     assert sleep_wanted(RolloutConfig(sleep_mode="auto"), torch.device("cpu")) is False
@@ -177,7 +182,7 @@ def test_gpu_check_on_cuda(tmp_path):
 
 
 def test_an_inherited_multiprocessing_setting_cannot_move_the_engine_out_of_process(monkeypatch):
-    from grpo_cli.rollout import in_process_engine_env
+    from grpo_cli.engines.vllm import in_process_engine_env
 
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     assert "VLLM_ENABLE_V1_MULTIPROCESSING=1 ignored" in in_process_engine_env()
@@ -229,8 +234,9 @@ def test_a_second_gpu_for_the_vllm_engine_is_refused_with_the_setting_that_works
 def test_the_engine_asks_a_shared_gpu_for_its_weights_cache_and_workspace_only():
     """vLLM refuses to start unless free memory >= gpu_memory_utilization x the device; with the KV cache
     sized by rollout.kv_cache_gib the engine asks for what it uses, and says in one line when that does not fit."""
+    from grpo_cli.engines.options import ENGINE_WORKSPACE_GIB, engine_utilization
+    from grpo_cli.engines.vllm import weight_bytes
     from grpo_cli.errors import UsageError
-    from grpo_cli.rollout import ENGINE_WORKSPACE_GIB, engine_utilization, weight_bytes
 
     gib = 2**30
     total = 141 * gib  # an H200, a third of it held by the trainer's models
@@ -249,7 +255,8 @@ def test_on_cuda_the_kv_cache_is_sized_explicitly_unless_a_utilization_is_given(
     import vllm
 
     from grpo_cli.config import ModelConfig, RolloutConfig
-    from grpo_cli.rollout import ENGINE_WORKSPACE_GIB, VLLMEngine, weight_bytes
+    from grpo_cli.engines.options import ENGINE_WORKSPACE_GIB
+    from grpo_cli.engines.vllm import VLLMEngine, weight_bytes
 
     seen = {}
 

@@ -44,7 +44,7 @@ def lora_state(model_dir: Path, rank: int = 4):
     from grpo_cli.config import LoraConfig, ModelConfig, RewardSpec, RolloutConfig, TrainConfig, TrainerConfig
     from grpo_cli.dist import Dist
     from grpo_cli.lora import with_adapters
-    from grpo_cli.setup import RunState
+    from grpo_cli.state import RunState
 
     lora = LoraConfig(rank=rank, alpha=2 * rank)
     cfg = TrainConfig(task="t", rewards=[RewardSpec(name="correct")], model=ModelConfig(lora=lora),
@@ -63,8 +63,8 @@ def one_step(state, cfg, seed: int):
     """fill_logprobs + update on a random [3, 4] batch; the batch (its micro-batches hold the reference logprobs)."""
     from grpo_cli.batch import TrainBatch
     from grpo_cli.collect import Groups
+    from grpo_cli.engines.base import Rollouts
     from grpo_cli.rewards import RewardFailures, Scores
-    from grpo_cli.rollout import Rollouts
     from grpo_cli.update import fill_logprobs, loss_params, update
 
     g = torch.Generator().manual_seed(seed)
@@ -122,8 +122,8 @@ def test_the_merged_push_and_the_adapter_files_give_the_policy_s_logprobs(shippe
     from peft import PeftModel, get_peft_model_state_dict
 
     from grpo_cli import passes
-    from grpo_cli.checkpoint import load_policy, load_tokenizer, save_checkpoint
-    from grpo_cli.lora import adapter_tensors, is_adapter_dir, merged_checkpoint_tensors, merged_tensors
+    from grpo_cli.checkpoint import is_adapter_dir, load_policy, load_tokenizer, save_checkpoint
+    from grpo_cli.lora import adapter_tensors, merged_checkpoint_tensors, merged_tensors
 
     state, cfg = lora_state(shipped_model_dir, rank=8)
     for seed in range(2):
@@ -232,7 +232,7 @@ import sys, torch
 from grpo_cli.checkpoint import load_policy, resolve_model_path
 from grpo_cli.config import LoraConfig, ModelConfig, RolloutConfig
 from grpo_cli.lora import with_adapters
-from grpo_cli.rollout import VLLMEngine
+from grpo_cli.engines.vllm import VLLMEngine
 from grpo_cli.sync import exact_push_check, push, push_check
 
 path = resolve_model_path("builtin:bike_base")

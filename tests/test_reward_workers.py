@@ -14,7 +14,7 @@ import pytest
 
 from grpo_cli.config import RewardSpec
 from grpo_cli.errors import UsageError
-from grpo_cli.rewards import RewardFailures, load_rewards, score
+from grpo_cli.rewards import RewardFailures, SampleContext, load_rewards, score
 
 
 def sleeps_on_hang(completions, **kwargs):
@@ -142,7 +142,7 @@ def test_after_most_samples_fail_the_remaining_groups_are_not_called():
 
 def test_the_prompt_reaches_the_worker():
     rewards = loaded("echo_prompt_len")
-    scored = score(rewards, ["a", "b"], {}, "answer_line", prompts=["abc", "abcdef"], group_size=1)
+    scored = score(rewards, ["a", "b"], {}, "answer_line", group_size=1, context=SampleContext(prompts=["abc", "abcdef"]))
     assert scored.per_function[rewards[0].name] == [3.0, 6.0]
     rewards[0].worker.close()
 

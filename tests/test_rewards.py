@@ -347,10 +347,10 @@ def test_overlong_is_dapos_soft_punishment_by_hand():
 
 
 def test_reward_args_reach_the_function_and_token_counts_come_from_the_scorer():
-    from grpo_cli.rewards import load_rewards, score
+    from grpo_cli.rewards import SampleContext, load_rewards, score
 
     loaded = load_rewards([RewardSpec(name="overlong", args={"buffer": 2})])
-    scored = score(loaded, ["a", "b"], {}, "answer_line", completion_tokens=[8, 9], max_new_tokens=10)
+    scored = score(loaded, ["a", "b"], {}, "answer_line", max_new_tokens=10, context=SampleContext(completion_tokens=[8, 9]))
     assert scored.per_function["overlong"] == [0.0, -0.5]
     with pytest.raises(UsageError, match="rewards\\[0\\].args: max_new_tokens is passed by the scorer"):
         load_rewards([RewardSpec(name="overlong", args={"max_new_tokens": 5})])

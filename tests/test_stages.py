@@ -7,12 +7,13 @@ import pytest
 import torch
 
 from grpo_cli.batch import TrainBatch
-from grpo_cli.collect import Groups, PromptCursor
+from grpo_cli.collect import Groups
 from grpo_cli.config import TrainerConfig
+from grpo_cli.data import PromptCursor
 from grpo_cli.dist import Dist
+from grpo_cli.engines.base import Rollouts
 from grpo_cli.grpo import LossParams
 from grpo_cli.rewards import RewardFailures, Scores
-from grpo_cli.rollout import Rollouts
 from grpo_cli.update import DeviceSums
 from grpo_cli.watch import NonFiniteGuard
 
@@ -155,7 +156,7 @@ def stage_state(**parts):
     """A RunState that holds only what the stage under test reads (the rest None), at world size 1."""
     import dataclasses
 
-    from grpo_cli.setup import RunState
+    from grpo_cli.state import RunState
 
     unset = {f.name: None for f in dataclasses.fields(RunState) if f.name not in ("best_pass", "history")}
     return RunState(**{**unset, "dist": Dist(), **parts})
@@ -308,7 +309,7 @@ def hf_engine(tmp_path_factory):
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
     from grpo_cli.checkpoint import resolve_model_path
-    from grpo_cli.rollout import HFEngine
+    from grpo_cli.engines.hf import HFEngine
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("builtin:bike_base"))
     torch.manual_seed(0)
@@ -326,9 +327,9 @@ def even_rows_solved(completions, id, **kwargs):
 def test_dynamic_sampling_adds_rounds_until_enough_groups_have_signal(hf_engine):
     from grpo_cli.collect import collect_groups
     from grpo_cli.config import DataConfig, RewardSpec, RolloutConfig, TrainConfig
-    from grpo_cli.metrics import StepTimer
     from grpo_cli.rewards import WeightedReward
-    from grpo_cli.setup import Task
+    from grpo_cli.state import Task
+    from grpo_cli.timer import StepTimer
 
     engine, tokenizer = hf_engine
     rows = [{"id": i, "question": f"q{i}"} for i in range(40)]

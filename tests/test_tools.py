@@ -15,11 +15,12 @@ from pathlib import Path
 import pytest
 
 from grpo_cli.config import ConfigError, RolloutConfig, ToolSpec
+from grpo_cli.engines.base import Completion, Rollouts, Sampling
+from grpo_cli.engines.tools import ToolCaps, ToolEngine, cut_at_stop, with_tools
 from grpo_cli.errors import UsageError
-from grpo_cli.rollout import Rollouts, Sampling
 from grpo_cli.tools import TagFormat, ToolFailed, calculator, load_tools
 from grpo_cli.tools.load import MAX_RESULT_CHARS, call_tool
-from grpo_cli.tools.trajectories import ToolCaps, ToolEngine, cut_at_stop, tool_metrics, with_tools
+from grpo_cli.tools.metrics import tool_metrics
 
 
 def sleeps(argument):
@@ -397,7 +398,7 @@ def test_each_sample_has_its_own_instance_and_a_killed_worker_rebuilds_them_by_r
 
 def test_an_environment_trajectory_keeps_its_state_across_turns_and_the_rewards_read_it(tokenizer):
     from grpo_cli.config import RewardSpec
-    from grpo_cli.rewards import load_rewards, score
+    from grpo_cli.rewards import SampleContext, load_rewards, score
 
     engine = ScriptedEngine(tokenizer, [" a <subtotal>3*18</subtotal>", " then <subtotal>54+6</subtotal>",
                                         "\nAnswer: 60.00"])
@@ -412,7 +413,7 @@ def test_an_environment_trajectory_keeps_its_state_across_turns_and_the_rewards_
     assert end.state["subtotals"] == ["54.00", "60.00"] and end.reward == 1.0
     assert tool_metrics(out)["tools/environment_failed"] == 0.0
     scored = score(load_rewards([RewardSpec(name="environment")]), out.texts[0], {"answer": ["60"]}, "answer_line",
-                   environment=out.environment_results())
+                   context=SampleContext(environment=out.environment_results()))
     assert scored.per_function["environment"] == [1.0]
     with pytest.raises(ValueError, match="pass generate\\(..., rows=\\)"):
         ToolEngine(engine, tools, fmt, CAPS).generate([[1]], Sampling(1, 1.0, 1.0, 48), [7])
@@ -434,6 +435,17 @@ class ScriptedEngine:
         text = self.texts[len(self.requests) - 1]
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"][: sampling.max_new_tokens]
         return Rollouts(prompt_ids, [[ids]], [[[-1.0] * len(ids)]], [[text]], [[len(ids) == sampling.max_new_tokens]])
+
+    def generate_each(self, requests, on_finish):
+        """Round by round, as the transformers engine runs them: each request's text, then the ones it leads to."""
+        while requests:
+            follow = []
+            for r in requests:
+                out = self.generate([r.prompt_ids], r.sampling, [r.seed])
+                done = Completion(out.completion_ids[0][0], out.sampling_logprobs[0][0], out.truncated[0][0])
+                if (nxt := on_finish(r.key, done)) is not None:
+                    follow.append(nxt)
+            requests = follow
 
 
 @pytest.fixture

@@ -68,7 +68,7 @@ def test_param_groups_put_norm_gains_at_the_scaled_lr():
 
 
 def test_lr_schedules_warm_up_then_hold_or_decay_to_zero():
-    from grpo_cli.optim import LR_SCHEDULES
+    from grpo_cli.schedules import LR_SCHEDULES
 
     total, warmup = 100, 10
     for name, fn in LR_SCHEDULES.items():

@@ -21,9 +21,8 @@ import signal
 import sys
 import time
 from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from grpo_cli.config import DistConfig
+from grpo_cli.runtime import cpu_threads
+from grpo_cli.config import DistConfig
 
 # How long the agent waits for the workers after a Ctrl-C (they end the step and checkpoint) or after
 # another worker failed (they are stuck in a collective) before it kills them:
@@ -100,7 +99,6 @@ def launch(dist_cfg: DistConfig, argv: list[str]) -> int:
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # the one line below says it
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # the workers' C++ start-up warnings (NUMA binding)
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
-    from grpo_cli.runtime import cpu_threads
 
     os.environ.setdefault("OMP_NUM_THREADS", str(cpu_threads(0, dist_cfg.nproc_per_node)))  # a share of the cores each
     if dist_cfg.nnodes == 1:  # torchrun --standalone: a private rendezvous on a free local port

@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+from grpo_cli.dist.launch import join_job
 
 if TYPE_CHECKING:
     import torch
@@ -69,7 +70,6 @@ class Dist:
         import torch.distributed as torch_dist
 
         if not torch_dist.is_initialized():  # the CLI joins the job first (launch.join_job); scripts land here
-            from grpo_cli.dist.launch import join_job
 
             join_job(600)
         return cls(rank=torch_dist.get_rank(), world_size=world_size, local_rank=local_rank, device=chosen)
@@ -81,11 +81,9 @@ class Dist:
 
         import torch
 
-        from grpo_cli.checkpoint import torch_dtype
-
         if torch.device(self.device).type != "cuda" or dtype == "float32":
             return contextlib.nullcontext()
-        return torch.autocast("cuda", dtype=torch_dtype(dtype))
+        return torch.autocast("cuda", dtype=getattr(torch, dtype))  # "bfloat16" | "float16"
 
     def master_dtype(self, dtype: str) -> str:
         """The dtype the trainable weights are loaded in: float32 on CUDA (autocast computes in `dtype`),

@@ -34,10 +34,8 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
-
-if TYPE_CHECKING:
-    from grpo_cli.dist.ranks import Dist
-
+from grpo_cli.passes import body_and_head
+from grpo_cli.dist.ranks import Dist
 
 def fsdp_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     from torch.distributed.fsdp import FSDPModule
@@ -83,8 +81,6 @@ def shard_model(model: torch.nn.Module, dist: Dist, reshard_layers: bool = True,
 
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-
-    from grpo_cli.passes import body_and_head
 
     # FSDP2 warns when a root's output is a view (an in-place op on it would skip its pre-backward hook).
     # The passes return logprobs built out of place (torch.cat, reshape) and nothing writes into them.

@@ -35,11 +35,11 @@ from grpo_cli.rewards.load import (
     required_columns,
     validate_columns,
 )
-from grpo_cli.rewards.score import RewardFailures, Scores, score
+from grpo_cli.rewards.score import RewardFailures, SampleContext, Scores, score
 
 __all__ = [
     "ANSWER_FORMATS", "BUILTIN_REWARDS", "RewardFailures", "Scores", "WeightedReward", "as_text", "correct",
     "correctness_name", "countdown", "countdown_valid", "final_answer", "final_answers", "format_ok", "gold_answer",
     "load_reward", "load_rewards", "math_equal", "needed_columns", "overlong", "parse_amount", "parse_expression",
-    "required_columns", "score", "single_answer", "think_format", "to_cents", "validate_columns",
+    "required_columns", "SampleContext", "score", "single_answer", "think_format", "to_cents", "validate_columns",
 ]

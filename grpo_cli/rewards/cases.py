@@ -14,8 +14,8 @@ from typing import Any
 
 from grpo_cli.errors import UsageError
 from grpo_cli.rewards.answers import as_text
-from grpo_cli.rewards.load import correctness_name, load_rewards, needed_columns
-from grpo_cli.rewards.score import RESERVED, RewardFailures, score
+from grpo_cli.rewards.load import RESERVED, correctness_name, load_rewards, needed_columns
+from grpo_cli.rewards.score import RewardFailures, SampleContext, score
 
 _CASE_KEYS = ("completion", "expected", "note", "tool_calls")  # everything else in a case is a dataset column
 
@@ -118,9 +118,10 @@ def run_cases(config: Any, run_dir: Any) -> int:
         columns = {k: [v] for k, v in case.items() if k not in _CASE_KEYS and not k.startswith("_")}
         case_failures = RewardFailures()
         prompt = case.get(config.data.prompt_column)
+        context = SampleContext(prompts=[prompt] if isinstance(prompt, str) else None,
+                                tool_calls=[case["tool_calls"]] if "tool_calls" in case else None)
         _, per_function, _ = score(rewards, [case["completion"]], columns, config.data.answer_format, case_failures,
-                                   prompts=[prompt] if isinstance(prompt, str) else None,
-                                   tool_calls=[case["tool_calls"]] if "tool_calls" in case else None)
+                                   context=context)
         for name, count in case_failures.counts.items():
             failures.record(name, count, f"{where}: {case_failures.last_error[name]}")
         for name in names:

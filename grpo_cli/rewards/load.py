@@ -18,9 +18,16 @@ from typing import Any
 
 from grpo_cli.errors import UsageError
 from grpo_cli.rewards.builtin import BUILTIN_REWARDS, RewardFn
-from grpo_cli.rewards.score import RESERVED
+from grpo_cli.rewards.worker import RewardWorker
 
 ON_FAILURE = ("zero", "drop")  # rewards[i].on_failure: a failed sample scores 0, or leaves the loss
+
+
+# keyword names the scorer itself passes (completion_tokens, max_new_tokens and prompt when the caller knows them:
+# grpo train, grpo eval; tool_calls in a tool run; environment_state and environment_reward with an environment)
+RESERVED = ("completions", "answer_format", "completion_tokens", "max_new_tokens", "prompt", "tool_calls",
+            "environment_state", "environment_reward")
+TOOL_RUN_ONLY = ("tool_calls", "environment_state", "environment_reward")  # a tool run's only; reserved when passed
 
 
 @dataclass(frozen=True)
@@ -106,8 +113,6 @@ def load_rewards(specs: list) -> list[WeightedReward]:
         fn = load_reward(spec.name)
         worker = None
         if timeout_s is not None:
-            from grpo_cli.rewards.worker import RewardWorker
-
             worker = RewardWorker(spec.name, fn, float(timeout_s))
         loaded.append(WeightedReward(spec.name, fn, float(spec.weight), args, timeout_s, on_failure,
                                      spec.correctness or len(specs) == 1, worker))

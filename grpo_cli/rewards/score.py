@@ -11,10 +11,10 @@ import math
 import numbers
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
-if TYPE_CHECKING:
-    from grpo_cli.rewards.load import WeightedReward
+from grpo_cli.rewards.load import RESERVED, TOOL_RUN_ONLY, WeightedReward
+from grpo_cli.rewards.worker import call_in_process
 
 MAX_TIMEOUTS_IN_A_ROW = 3  # then a function's remaining calls in this scoring are skipped (a held-out set has 200 groups)
 
@@ -38,8 +38,6 @@ class RewardFailures:
 
 def _invoke(reward: WeightedReward, completions: list, kwargs: dict[str, Any]) -> tuple[str, Any]:
     """One call: in the reward's worker (under its time limit) or, without timeout_s, in this process."""
-    from grpo_cli.rewards.worker import call_in_process
-
     if reward.worker is not None:
         return reward.worker.call(completions, kwargs)
     return call_in_process(reward.fn, completions, kwargs)
@@ -116,24 +114,25 @@ class Scores(NamedTuple):
     dropped: list[bool]  # [N] a reward with on_failure=drop failed on it: it leaves the loss
 
 
-# keyword names the scorer itself passes (completion_tokens, max_new_tokens and prompt when the caller knows them:
-# grpo train, grpo eval; tool_calls in a tool run; environment_state and environment_reward with an environment)
-RESERVED = ("completions", "answer_format", "completion_tokens", "max_new_tokens", "prompt", "tool_calls",
-            "environment_state", "environment_reward")
-TOOL_RUN_ONLY = ("tool_calls", "environment_state", "environment_reward")  # a tool run's only; reserved when passed
+class SampleContext(NamedTuple):
+    """What the scorer knows of each of the N samples beside its text, each [N] (None: not known here)."""
+
+    completion_tokens: list[int] | None = None  # the model's token counts (a trajectory's tool replies are not)
+    prompts: list[str] | None = None  # the question each completion answers, passed as `prompt`
+    tool_calls: list[list[dict]] | None = None  # a tool run: each trajectory's calls (tool, argument, result, ok)
+    environment: tuple[list, list] | None = None  # with an environment: ([N] its state, [N] its reward())
+
+
+NO_CONTEXT = SampleContext()  # a scoring that knows only the texts and the columns
 
 
 def score(rewards: list[WeightedReward], completions: list, columns: dict[str, list], answer_format: str,
-          failures: RewardFailures | None = None, completion_tokens: list[int] | None = None,
-          max_new_tokens: int | None = None, prompts: list[str] | None = None,
-          group_size: int | None = None, tool_calls: list[list[dict]] | None = None,
-          environment: tuple[list, list] | None = None) -> Scores:
+          failures: RewardFailures | None = None, group_size: int | None = None, max_new_tokens: int | None = None,
+          context: SampleContext = NO_CONTEXT) -> Scores:
     """Score N completions with every reward; columns are aligned with completions (each [N]).
-    `completion_tokens` ([N] the model's token counts), `max_new_tokens` (the cap), `prompts` ([N] the
-    question each completion answers, passed as `prompt`) and, in a tool run, `tool_calls` ([N] each
-    trajectory's calls: tool, argument, result, ok) and, with an environment, `environment` (([N] each
-    trajectory's environment state, [N] its reward()), passed as `environment_state` and
-    `environment_reward`) reach the functions when given.
+    `max_new_tokens` (the cap) and what `context` knows (the token counts, the prompts, a tool run's calls, an
+    environment's states and rewards, passed as `completion_tokens`, `prompt`, `tool_calls`,
+    `environment_state` and `environment_reward`) reach the functions when given.
 
     Each function is called once per group of `group_size` consecutive completions (one prompt's
     group; None = all N in one call), in its worker under `timeout_s` when it has one. A function
@@ -141,8 +140,8 @@ def score(rewards: list[WeightedReward], completions: list, columns: dict[str, l
     on_failure=drop those samples are marked in `Scores.dropped`.
     """
     n = len(completions)
-    states, env_rewards = environment if environment is not None else (None, None)
-    passed = {"tool_calls": tool_calls, "environment_state": states, "environment_reward": env_rewards}
+    states, env_rewards = context.environment if context.environment is not None else (None, None)
+    passed = {"tool_calls": context.tool_calls, "environment_state": states, "environment_reward": env_rewards}
     reserved = [name for name in RESERVED if name not in TOOL_RUN_ONLY or passed[name] is not None]
     for name, values in columns.items():
         if name in reserved:
@@ -151,7 +150,7 @@ def score(rewards: list[WeightedReward], completions: list, columns: dict[str, l
         if len(values) != n:
             raise ValueError(f"column '{name}' has {len(values)} values for {n} completions")
     failures = failures if failures is not None else RewardFailures()
-    extra = (("completion_tokens", completion_tokens), ("prompt", prompts), *passed.items())
+    extra = (("completion_tokens", context.completion_tokens), ("prompt", context.prompts), *passed.items())
     per_sample = {**columns, **{k: v for k, v in extra if v is not None}}
     fixed = {"answer_format": answer_format, **({"max_new_tokens": max_new_tokens} if max_new_tokens else {})}
     per_function, dropped = {}, [False] * n

@@ -6,9 +6,12 @@
 - environment.py: `rollout.environment`, a class with one instance per sample whose methods are tools
   and whose `reward()` can score the trajectory; the instances live in a killable worker.
 - tags.py: the tag call format of small plain-text models (`<calc>3*18</calc>` -> `<result>54</result>`).
-- trajectories.py: `ToolEngine`, an engine whose `generate` runs the turns: every unfinished trajectory
-  of the step in one engine call per turn, the tools, the environment's reply tokenized once and
-  appended, and a mask that is 1 on the model's tokens and 0 on the environment's (docs/tools.md).
+- chat.py: the chat call format (the tokenizer's template, native `<tool_call>{...}</tool_call>`).
+- metrics.py: what a step's trajectories did with their tools (calls, failures, turns, tokens, caps).
+
+The multi-turn loop itself is an engine wrapper, `grpo_cli.engines.tools.ToolEngine`: every sample's turns
+in one engine loop, the tools, the reply tokenized once and appended, and a mask that is 1 on the model's
+tokens and 0 on the environment's (docs/tools.md).
 
 A custom tool is `(argument: str) -> str` (the text between the call tags in, the result text out).
 """

@@ -30,7 +30,9 @@ import types
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from grpo_cli.errors import UsageError
+from grpo_cli.errors import UsageError, one_line
+from grpo_cli.rewards.load import import_function
+from grpo_cli.rewards.worker import RewardWorker, call_in_process
 
 HOOKS = ("reward", "state")  # methods an environment may define that are not tools
 _LIVE: dict[tuple[int, int], Any] = {}  # in the process that runs the environment: trajectory key -> its instance
@@ -39,7 +41,6 @@ _CLASSES: dict[str, type] = {}  # in that process: "module:Class" -> the class, 
 
 class EnvironmentEnd(NamedTuple):
     """What a finished trajectory's environment leaves for the rewards."""
-
     state: dict[str, Any] | None  # `state()`, or the public attributes; None when the environment failed
     reward: float | None  # `reward()`; None when it has none or it failed
     error: str | None  # why the environment failed (it raised, timed out or could not be rebuilt), or None
@@ -67,8 +68,6 @@ class LoadedEnvironment:
 
     def _request(self, key: tuple[int, int], row: dict[str, Any], history: list, method: str,
                  argument: Any) -> tuple[str, Any]:
-        from grpo_cli.rewards.worker import call_in_process
-
         columns = row if self.columns is None else {c: row[c] for c in self.columns if c in row}
         request = [(key, self.name, columns, history, method, argument)]
         if self.worker is None:
@@ -124,8 +123,6 @@ def serve_request(requests: list, **_: Any) -> list:
     env = _LIVE.get(key)
     if env is None:
         if name not in _CLASSES:
-            from grpo_cli.rewards.load import import_function
-
             _CLASSES[name] = import_function(name, "environment")
         env = _CLASSES[name](**columns)
         _LIVE[key] = env  # before the replay: a replayed call that raises leaves the state it left
@@ -150,8 +147,6 @@ def _invoke(env: Any, method: str, argument: Any) -> Any:
 def _finish(env: Any) -> EnvironmentEnd:
     """The instance's state (as plain data) and reward; a failure of either is the environment's, and one does
     not cost the other."""
-    from grpo_cli.errors import one_line
-
     errors = []
     try:
         state = env.state() if callable(getattr(env, "state", None)) else \
@@ -194,7 +189,6 @@ def load_environment(spec: Any, tool_format: str) -> tuple[LoadedEnvironment | N
         if spec.tags:
             raise UsageError("rollout.environment.tags: set, but rollout.environment.cls names no environment")
         return None, []
-    from grpo_cli.rewards.load import import_function
 
     where = "rollout.environment.cls"
     try:
@@ -239,8 +233,6 @@ def load_environment(spec: Any, tool_format: str) -> tuple[LoadedEnvironment | N
         raise UsageError(f"rollout.environment.timeout_s: {timeout_s} must be > 0 seconds, or null for no limit")
     worker = None
     if timeout_s is not None:
-        from grpo_cli.rewards.worker import RewardWorker
-
         worker = RewardWorker(f"env-{cls.__name__}", serve_request, float(timeout_s))
     env = LoadedEnvironment(spec.cls, cls, columns, required, tuple(methods), callable(getattr(cls, "reward", None)),
                             timeout_s, worker)

@@ -15,7 +15,11 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from grpo_cli.errors import UsageError
+from grpo_cli.rewards.load import import_function
+from grpo_cli.rewards.worker import RewardWorker, call_in_process
 from grpo_cli.tools.builtin import BUILTIN_TOOLS, ToolFn
+from grpo_cli.tools.chat import tool_schema
+from grpo_cli.tools.environment import load_environment
 
 MAX_RESULT_CHARS = 4096  # a result is cut to this many characters before it is tokenized (a tool may print 1 MB)
 
@@ -43,7 +47,6 @@ def _load_function(name: str, where: str) -> ToolFn:
     if ":" not in name:
         raise UsageError(f"{where}: unknown tool '{name}'; built-in: {', '.join(BUILTIN_TOOLS)}, or a custom one "
                          "as package.module:function")
-    from grpo_cli.rewards.load import import_function  # the same import rules as a reward's
 
     try:
         return import_function(name, "tool")
@@ -82,8 +85,6 @@ def tool_schemas(tools: list[LoadedTool]) -> list[dict] | None:
 def load_tools(specs: list, tool_format: str = "tags", environment: Any = None) -> list[LoadedTool]:
     """The recipe's `rollout.tools` (ToolSpec) and `rollout.environment` (EnvironmentSpec: its methods) ->
     loaded tools, for `rollout.tool_format`. Fails at the edge, naming the key."""
-    from grpo_cli.tools.environment import load_environment
-
     candidates = []  # (where, name, fn, open, close, timeout_s, environment)
     for i, spec in enumerate(specs):
         fn = _load_function(spec.function, f"rollout.tools[{i}].function")
@@ -95,8 +96,6 @@ def load_tools(specs: list, tool_format: str = "tags", environment: Any = None) 
     for where, name, fn, open_, close, timeout_s, env in candidates:
         schema = None
         if tool_format == "chat":
-            from grpo_cli.tools.chat import tool_schema
-
             schema = tool_schema(fn, f"{where}.function" if env is None else where)
         else:
             _check_signature(fn, f"{where}.function" if env is None else where)
@@ -115,8 +114,6 @@ def load_tools(specs: list, tool_format: str = "tags", environment: Any = None) 
         worker = None
         if timeout_s is not None:
             import functools
-
-            from grpo_cli.rewards.worker import RewardWorker
 
             worker = RewardWorker(f"tool-{short}", functools.partial(call_each, tool=fn), float(timeout_s))
         loaded.append(LoadedTool(name, fn, open_, close, timeout_s, worker, schema, env))
@@ -138,8 +135,6 @@ def call_each(arguments: list[str | dict], tool: ToolFn) -> list[Any]:
 
 def call_tool(tool: LoadedTool, argument: str | dict) -> ToolResult:
     """One call, in the tool's worker under its time limit (or in process without one); never raises."""
-    from grpo_cli.rewards.worker import call_in_process
-
     if tool.worker is not None:
         tag, out = tool.worker.call([argument], {})
     else:

@@ -21,9 +21,9 @@ from grpo_cli.collect import Groups
 from grpo_cli.config import LoraConfig, ModelConfig, RewardSpec, RolloutConfig, TrainConfig, TrainerConfig
 from grpo_cli.dist import Dist
 from grpo_cli.dist.shard import full_tensors, shard_model
+from grpo_cli.engines.base import Rollouts
 from grpo_cli.rewards import RewardFailures, Scores
-from grpo_cli.rollout import Rollouts
-from grpo_cli.setup import RunState
+from grpo_cli.state import RunState
 from grpo_cli.update import fill_logprobs, loss_params, update
 
 

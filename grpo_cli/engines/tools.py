@@ -1,4 +1,4 @@
-"""Multi-turn rollouts: the model writes, calls a tool, reads its result, writes on, until it answers.
+"""`ToolEngine`: multi-turn rollouts: the model writes, calls a tool, reads its result, writes on, until it answers.
 
 `ToolEngine` wraps a rollout engine (vLLM or transformers) and has its interface, so the training
 step, held-out evaluation and `grpo eval` run the same loop. Its `generate` advances every sample of
@@ -7,9 +7,9 @@ the call together, with no barrier per turn on vLLM:
     every sample is a request (n = 1; sample g of prompt p seeded seeds[p] + g, as inside an n = G
     request), stopping at any tool's close string; as each request stops, its tool runs, the reply is
     tokenized once and appended, and the continuation (prompt + its ids so far, seeded per (prompt
-    seed, sample, request number)) joins the running batch (VLLMEngine.generate_each)
+    seed, sample, request number)) joins the running batch (Engine.generate_each)
 
-The transformers engine runs the same turns in lockstep (every open trajectory in one call per turn).
+The transformers engine runs the same requests in rounds (HFEngine.generate_each).
 
 Token in, token out: the model's sampled ids are kept as sampled and never re-tokenized; the
 environment's reply is tokenized once and appended; the next call continues from those exact ids.
@@ -26,19 +26,15 @@ A trajectory stopped by a cap is `truncated` (and counted by the cap that stoppe
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
-from grpo_cli.rollout import Rollouts, Sampling, WrappedEngine
+from grpo_cli.config import RolloutConfig
+from grpo_cli.engines.base import Completion, DelegatingEngine, Engine, Request, Rollouts, Sampling
 from grpo_cli.tools.chat import ChatFormat
 from grpo_cli.tools.environment import EnvironmentEnd
 from grpo_cli.tools.load import MAX_RESULT_CHARS, LoadedTool, ToolResult, call_tool, environment_of
 from grpo_cli.tools.tags import TagFormat
-
-if TYPE_CHECKING:
-    from grpo_cli.config import RolloutConfig
-    from grpo_cli.rollout import Engine
 
 
 class ToolCaps(NamedTuple):
@@ -110,7 +106,7 @@ def cut_at_stop(ids: list[int], text: str, stops: list[str], decode: Any) -> tup
     return lo, prefix, min(prefix.find(s) + len(s) for s in stops if s in prefix)
 
 
-class ToolEngine(WrappedEngine):
+class ToolEngine(DelegatingEngine):
     """A rollout engine whose samples are conversations with tools (module docstring); pushes, scoring and
     sleep are the inner engine's."""
 
@@ -135,10 +131,7 @@ class ToolEngine(WrappedEngine):
         turn = sampling._replace(stop=tuple(stops),
                                  max_new_tokens=min(sampling.max_new_tokens, caps.max_trajectory_tokens))
         try:
-            if hasattr(self.engine, "generate_each"):
-                self._generate_each(prompt_ids, trajectories, turn, seeds)  # vLLM: a trajectory never waits for others
-            else:
-                self._generate_in_lockstep(prompt_ids, trajectories, turn, seeds)
+            self._generate_each(prompt_ids, trajectories, turn, seeds)
         except BaseException:
             if env is not None:  # no instance may outlive its trajectory
                 env.forget([t.env_key for group in trajectories for t in group])
@@ -148,12 +141,11 @@ class ToolEngine(WrappedEngine):
 
     def _generate_each(self, prompt_ids: list[list[int]], trajectories: list[list[Trajectory]], turn: Sampling,
                        seeds: list[int]) -> None:
-        """Every turn of every trajectory in one engine loop (VLLMEngine.generate_each): a trajectory whose turn
-        ends is absorbed (its tool run, its reply appended) and continued at once, while the others decode
-        on. Sample g of prompt p starts from seed seeds[p] + g, the seed vLLM gives it inside an n = G request,
-        so a sample that never calls a tool is the single-turn sample."""
-        from grpo_cli.rollout import Completion, Request
-
+        """Every turn of every trajectory in one engine loop (`Engine.generate_each`): a trajectory whose turn
+        ends is absorbed (its tool run, its reply appended) and continued (on vLLM at once, while the others
+        decode on; on transformers in the next round). Sample g of prompt p starts from seed seeds[p] + g, the
+        seed vLLM gives it inside an n = G request, so a sample that never calls a tool is the single-turn
+        sample."""
         cap = turn.max_new_tokens
 
         def request(p: int, g: int) -> Request:
@@ -169,28 +161,6 @@ class ToolEngine(WrappedEngine):
 
         self.engine.generate_each([request(p, g) for p, group in enumerate(trajectories) for g in range(len(group))],
                                   on_finish)
-
-    def _generate_in_lockstep(self, prompt_ids: list[list[int]], trajectories: list[list[Trajectory]],
-                              turn: Sampling, seeds: list[int]) -> None:
-        """For an engine without generate_each (transformers): the P prompts with n = G and their own seeds,
-        then every open trajectory in one engine call with n = 1, until none is open."""
-        cap = turn.max_new_tokens
-        first = self.engine.generate(prompt_ids, turn, seeds)  # [P][G]: the single-turn samples, up to a stop
-        for p, group in enumerate(trajectories):
-            for g, t in enumerate(group):
-                t.engine_calls = 1
-                self._absorb(t, first.completion_ids[p][g], first.sampling_logprobs[p][g], first.truncated[p][g], cap)
-        open_ = [(p, g) for p, group in enumerate(trajectories) for g, t in enumerate(group) if not t.done]
-        while open_:
-            budget = max(self._room(trajectories[p][g], cap) for p, g in open_)
-            out = self.engine.generate(
-                [prompt_ids[p] + trajectories[p][g].ids for p, g in open_], turn._replace(n=1, max_new_tokens=budget),
-                [call_seed(seeds[p], g, trajectories[p][g].engine_calls) for p, g in open_])  # [R][1]
-            for r, (p, g) in enumerate(open_):
-                trajectories[p][g].engine_calls += 1
-                self._absorb(trajectories[p][g], out.completion_ids[r][0], out.sampling_logprobs[r][0],
-                             out.truncated[r][0], cap)
-            open_ = [(p, g) for p, g in open_ if not trajectories[p][g].done]
 
     def _room(self, t: Trajectory, turn_cap: int) -> int:
         """The tokens the model may still write in this turn: its turn's cap and the trajectory's."""
@@ -263,38 +233,6 @@ class ToolEngine(WrappedEngine):
                         model_mask=[[t.model_mask for t in group] for group in trajectories],
                         segments=[[t.segments for t in group] for group in trajectories],
                         capped=[[t.capped for t in group] for group in trajectories], environments=ends)
-
-
-def calls_a_tool(segments: list[dict[str, Any]]) -> bool:
-    """Whether a trajectory (its `segments`) holds a tool call."""
-    return any(s["role"] == "tool" for s in segments)
-
-
-def tool_metrics(rollouts: Rollouts) -> dict[str, float]:
-    """Per-sample means of a step's (or held-out set's) trajectories: tool calls (all, per tool that was
-    called, failed), the share of samples that call one, model turns, model and environment tokens, and
-    the share stopped by each cap."""
-    samples = [(segments, mask, capped) for seg_group, mask_group, cap_group in
-               zip(rollouts.segments, rollouts.model_mask, rollouts.capped)
-               for segments, mask, capped in zip(seg_group, mask_group, cap_group)]
-    n = max(len(samples), 1)
-    calls = [s for segments, _, _ in samples for s in segments if s["role"] == "tool"]
-    per_tool = Counter(s["tool"] for s in calls if s["tool"])  # "": a call written badly, of no tool
-    caps = Counter(capped for _, _, capped in samples if capped)
-    metrics = {
-        "tools/calls_per_sample": len(calls) / n,
-        "tools/failed_per_sample": sum(not s["ok"] for s in calls) / n,
-        "tools/call_share": sum(calls_a_tool(segments) for segments, _, _ in samples) / n,
-        "tools/turns_per_sample": sum(sum(s["role"] == "model" for s in segments) for segments, _, _ in samples) / n,
-        "tools/model_tokens": sum(sum(mask) for _, mask, _ in samples) / n,
-        "tools/env_tokens": sum(len(mask) - sum(mask) for _, mask, _ in samples) / n,
-        **{f"tools/calls/{name}": count / n for name, count in sorted(per_tool.items())},
-        **{f"tools/capped/{cap}": caps[cap] / n for cap in ("turn_tokens", "trajectory_tokens", "turns", "tool_calls")},
-    }
-    if rollouts.environments:  # an environment: the share whose instance failed (raised, timed out at the end)
-        ends = [end for group in rollouts.environments for end in group]
-        metrics["tools/environment_failed"] = sum(end.error is not None for end in ends) / n
-    return metrics
 
 
 def with_tools(engine: Engine, tools: list[LoadedTool], rollout: RolloutConfig) -> Engine:

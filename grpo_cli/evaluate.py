@@ -183,7 +183,7 @@ def evaluate_targets(cfg: EvalCommandConfig, targets: list[runs.Target], rows: l
                                reward_fns, cfg.data)
     k = cfg.eval.samples_per_problem
     sampling = Sampling(k, cfg.eval.temperature, cfg.rollout.top_p, cfg.rollout.max_new_tokens)
-    seeds = sample_seeds(cfg.trainer.seed, 0, len(rows), stream=1)  # the run's step-0 held-out seeds
+    seeds = sample_seeds(cfg.trainer.seed, 0, len(rows), stream=1, group_size=k)  # the run's step-0 held-out seeds
     print(f"grpo eval: {cfg.task} | {len(rows)} held-out problems x {k} samples at T={cfg.eval.temperature:g} | "
           f"{len(targets)} checkpoint(s)" + (f" | recipe of run {the_run}" if the_run else ""), flush=True)
     holds = None if engine is not None else targets[0].model_dir  # the whole model in the engine (a given one: unknown)

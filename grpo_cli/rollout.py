@@ -15,15 +15,18 @@ from grpo_cli.engines.base import Rollouts, Sampling
 from grpo_cli.state import RunState
 
 
-def sample_seeds(run_seed: int, step: int, num_prompts: int, stream: int = 0) -> list[int]:
+def sample_seeds(run_seed: int, step: int, num_prompts: int, stream: int = 0, group_size: int = 1) -> list[int]:
     """One sampling seed per prompt, a pure function of (run seed, step, prompt, stream).
 
-    Per-request seeds make a step's samples reproducible on resume, whatever the
-    engine sampled before. A shared seed would give every prompt the same random
-    stream, so each prompt gets its own.
+    Per-request seeds make a step's samples reproducible on resume, whatever the engine sampled before,
+    and the same at any world size (each rank's engine gets its prompts' seeds). vLLM seeds sample g of a
+    request with seed + g (the tool loop does the same), so prompt i gets base + i * group_size: the G
+    samples of every prompt draw from G streams no other sample of the step shares (seeds base + i gave
+    sample g of prompt i and sample g-1 of prompt i+1 one stream).
     """
-    base = (run_seed * 1_000_003 + stream * 7_919 + step * 104_729) % (2**31 - num_prompts - 1)
-    return [base + i for i in range(num_prompts)]
+    span = num_prompts * group_size  # the seeds the step's samples use: base .. base + span - 1
+    base = (run_seed * 1_000_003 + stream * 7_919 + step * 104_729) % (2**31 - span - 1)
+    return [base + i * group_size for i in range(num_prompts)]
 
 
 def sample_groups(state: RunState, cfg: TrainConfig, step: int, round_index: int = 0
@@ -45,4 +48,4 @@ def draw_prompts(state: RunState, cfg: TrainConfig, step: int, round_index: int 
     prompt_ids = [task.encode(row) for row in rows]
     stream = 0 if round_index == 0 else round_index + 1
     sampling = Sampling(r_cfg.group_size, r_cfg.temperature, r_cfg.top_p, r_cfg.max_new_tokens)
-    return rows, prompt_ids, sampling, sample_seeds(cfg.trainer.seed, step, len(rows), stream)
+    return rows, prompt_ids, sampling, sample_seeds(cfg.trainer.seed, step, len(rows), stream, r_cfg.group_size)

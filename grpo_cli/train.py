@@ -207,7 +207,7 @@ def heldout_eval(state: RunState, cfg: TrainConfig, step: int) -> dict[str, floa
     decision)."""
     sampling = Sampling(cfg.eval.samples_per_problem, cfg.eval.temperature, cfg.rollout.top_p,
                         cfg.rollout.max_new_tokens)
-    seeds = sample_seeds(cfg.trainer.seed, step, len(state.heldout.rows), stream=1)
+    seeds = sample_seeds(cfg.trainer.seed, step, len(state.heldout.rows), stream=1, group_size=sampling.n)
     metrics = heldout_metrics(state.engine, state.heldout, sampling, seeds, max_tokens=cfg.rollout.trajectory_tokens)
     if cfg.eval.greedy:  # eval/greedy_accuracy (and in a tool run eval/greedy_call_share)
         add_greedy_metrics(metrics, state.engine, state.heldout, cfg.rollout.max_new_tokens,

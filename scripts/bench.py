@@ -244,7 +244,8 @@ def worker_bounds(args: argparse.Namespace) -> dict[str, Any]:
 
     ours_tps, raw_tps, correct, last = [], [], [], None
     for k in range(steps):
-        batch, seeds = prompt_ids[k * P:(k + 1) * P], sample_seeds(cfg.trainer.seed, k + 1, P)
+        batch = prompt_ids[k * P:(k + 1) * P]
+        seeds = sample_seeds(cfg.trainer.seed, k + 1, P, group_size=G)
         timed: dict[str, float] = {}
         for name in ("ours", "raw") if k % 2 == 0 else ("raw", "ours"):  # alternate who goes first
             engine.llm.reset_prefix_cache()  # neither reuses the other's prompt KV blocks

@@ -67,10 +67,13 @@ def test_sampling_seeds_are_per_prompt_and_reproducible(vllm_engine, shipped):
 
     q = "A city bike costs 10 per day and Ana keeps it for 3 days. How much does Ana pay in total?"
     prompt = tokenizer(render_plain(q), add_special_tokens=False)["input_ids"]
-    a = vllm_engine.generate([prompt, prompt], Sampling(4, 1.0, 1.0, 32), sample_seeds(0, 5, 2))
-    b = vllm_engine.generate([prompt, prompt], Sampling(4, 1.0, 1.0, 32), sample_seeds(0, 5, 2))
+    a = vllm_engine.generate([prompt, prompt], Sampling(4, 1.0, 1.0, 32), sample_seeds(0, 5, 2, group_size=4))
+    b = vllm_engine.generate([prompt, prompt], Sampling(4, 1.0, 1.0, 32), sample_seeds(0, 5, 2, group_size=4))
     assert a.completion_ids == b.completion_ids  # same (seed, step) -> same samples
     assert a.completion_ids[0] != a.completion_ids[1]  # two prompts do not share a random stream
+    # nor does any sample of one share another's: with seeds one apart (before the fix), the second prompt's
+    # samples 0..2 were the first's samples 1..3, token for token
+    assert a.completion_ids[1][:3] != a.completion_ids[0][1:]
 
 
 def test_train_end_to_end_with_vllm(trained_run, shipped):

@@ -55,3 +55,8 @@ def test_every_cli_line_of_the_readme_runs_as_written(line, cli, run_dir, tmp_pa
     assert out.returncode == 0, f"{line}: {out.stderr[-2000:]}"
     if args[0] == "export":
         assert (tmp_path / "problems" / "train.jsonl").is_file()
+
+
+def test_the_readme_stays_a_short_users_document():
+    """Details go to docs/, history to CHANGELOG.md: the README stays within 250 lines."""
+    assert len((REPO / "README.md").read_text().splitlines()) <= 250

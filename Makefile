@@ -49,8 +49,10 @@ pins:
 	.venv-pins/bin/python scripts/pins.py freeze > constraints/cpu.txt
 	rm -rf .venv-pins
 
+# Two workers (pytest-xdist), a test file at a time each: the long files' subprocess starts and engine
+# waits leave a core idle that the other file uses (docs/testing.md).
 test: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 # Unit and CLI tests only (no vLLM engine, no multi-process or subprocess run): a few minutes.
 test-fast: install

@@ -78,4 +78,4 @@ def test_parse_expression_is_fast_on_junk():
     assert time.perf_counter() - started < 1.0
 
 
-# The recipe end to end on its shipped model (vLLM, 2 ranks): tests/test_distributed.py.
+# The recipe end to end on its shipped model (vLLM, 2 ranks): tests/test_distributed_engines.py.

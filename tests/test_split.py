@@ -1,0 +1,96 @@
+"""rollout.placement=split (tier 3: minutes): `grpo train` as 2 processes, rank 0 trains and rank 1 samples
+ahead with a vLLM engine on the shipped model, against one process sampling the same batches; and a generator
+rank that fails as it starts. The one-process K=1 runs are in tests/test_async.py; the two files are apart so
+that the suite's two workers can run them side by side.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
+WALL_CLOCK = ("time/", "elapsed_s", "tokens_per_s", "memory/")
+
+
+def logged(run_dir: Path) -> list[dict]:
+    return [{k: v for k, v in json.loads(line).items() if not any(w in k for w in WALL_CLOCK)}
+            for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def final(run_dir: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(run_dir / "checkpoints" / "final" / "model.safetensors")
+
+
+# Split placement (2 processes: rank 0 trains, rank 1 generates), on the shipped model with a vLLM engine.
+SPLIT = ["recipe=bike_pricing", "trainer.steps=3", "rollout.prompts_per_step=4", "rollout.group_size=4",
+         "eval.num_problems=8", "eval.every=3", "checkpoint.every=0", "rollout.push_check_every=1",
+         "trainer.lr=1e-3", "rollout.max_staleness=1",
+         "trainer.mismatch_correction=none"]  # tis (K > 0's default) would read the engine's logprobs, see below
+ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def grpo_train(out: Path, *extra: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "grpo_cli", "train", *SPLIT, f"output_dir={out}", *extra],
+                          cwd=REPO, capture_output=True, text=True, timeout=600, env=env or ONE_THREAD)
+
+
+def test_a_split_job_trains_as_one_process_with_the_same_schedule(tmp_path):
+    """K=1 with rollout.placement=split (the generator rank samples while the trainer rank steps, the weights
+    go over the channel tensor by tensor, the push check re-scores on the generator) against one process of
+    one thread sampling the same batches after each update: each rank has one thread too, so every logged
+    value but the engine's sampling logprobs (another process's vLLM) and the final weights are the same bits."""
+    split = grpo_train(tmp_path / "split", "rollout.placement=split", "dist.nproc_per_node=2")
+    assert split.returncode == 0, split.stderr[-3000:]
+    assert "rank 0 trains, rank 1 generates" in split.stdout
+    one = grpo_train(tmp_path / "one", "rollout.overlap=off")
+    assert one.returncode == 0, one.stderr[-3000:]
+    (split_dir,) = (tmp_path / "split" / "bike_pricing").iterdir()
+    (one_dir,) = (tmp_path / "one" / "bike_pricing").iterdir()
+    assert (split_dir / "train-rank1.log").is_file()
+    steps = logged(split_dir)
+    assert [m["step"] for m in steps] == [0, 1, 2, 3] and all(m["push_check/max_abs_diff"] < 1e-3 for m in steps[1:])
+    assert [m["rollout/staleness"] for m in steps[1:]] == [0, 1, 1]
+    ones = logged(one_dir)
+    # vLLM's sampling logprobs, computed in another process, agree to ~1e-8 rather than in every bit; the trained
+    # values do not read them without a mismatch correction (SPLIT sets none)
+    mismatch = [(m.pop("mismatch/mean_abs_logprob", 0.0), o.pop("mismatch/mean_abs_logprob", 0.0))
+                for m, o in zip(steps, ones)]
+    assert all(abs(m - o) < 1e-6 for m, o in mismatch), mismatch
+    assert steps == ones
+    a, b = final(split_dir), final(one_dir)
+    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+
+
+# Fault injection: the generator rank's engine raises as it starts
+GENERATOR_FAILS = '''
+import os
+if os.environ.get("RANK") == "1":
+    import grpo_cli.engines.vllm as _vllm
+    def broken(self, *args, **kwargs):
+        raise RuntimeError("injected failure in the generator")
+    _vllm.VLLMEngine.__init__ = broken
+'''
+
+
+def test_a_generator_rank_that_raises_stops_the_job_with_one_line(tmp_path):
+    (tmp_path / "inject").mkdir()
+    (tmp_path / "inject" / "sitecustomize.py").write_text(GENERATOR_FAILS)
+    env = {**ONE_THREAD, "PYTHONPATH": os.pathsep.join([str(tmp_path / "inject"), os.environ.get("PYTHONPATH", "")])}
+    started = time.time()
+    failed = grpo_train(tmp_path / "out", "rollout.placement=split", "dist.nproc_per_node=2", env=env)
+    assert failed.returncode == 1, failed.stderr[-3000:]
+    assert "grpo train: error: generator rank 1: RuntimeError: injected failure in the generator" in failed.stderr
+    assert "Traceback" not in failed.stderr and "trainer rank 0" not in failed.stderr  # the trainer's is a consequence
+    assert time.time() - started < 200
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    assert str(tmp_path / "out") not in ps  # no rank left behind

@@ -136,6 +136,7 @@ class RolloutConfig:
     top_p: float = 1.0  # nucleus sampling mass
     max_new_tokens: int = 64  # completion length cap, in tokens; longer answers are truncated and counted
     kv_cache_gib: float = 1.0  # vLLM KV-cache size in GiB of host RAM (CPU) or device memory (GPU, unless gpu_memory_utilization is set)
+    enforce_eager: bool = False  # vLLM without torch.compile or graph capture: starts in seconds, generates slower (docs/design.md)
     gpu_memory_utilization: float | None = None  # GPU: None = vLLM reserves its weights + kv_cache_gib + a workspace, checked against free memory at its start; a fraction = vLLM's share of the whole device, from which it sizes the KV cache itself
     push_check_every: int = 10  # every N steps compare vLLM logprobs (and, at the first step too, a few tensors exactly) with the trainer's after a push; 0 = never
     push_check_tol: float = 1e-3  # max mean |logprob difference| before the run stops with a stale-weights error (>= 0.02 in bf16/fp16)

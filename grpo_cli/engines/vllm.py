@@ -127,6 +127,8 @@ class VLLMEngine(LeafEngine):
             if rollout.multi_turn:  # a turn's request re-reads prompt + trajectory; the CPU default block of
                 # 128 tokens caches almost none of that prefix, 32 caches most (docs/tools.md, "What it costs")
                 kwargs["block_size"] = CPU_TOOL_BLOCK_SIZE
+        if rollout.enforce_eager:  # no compile at start (docs/design.md: 2 s against 28 s for the bike model on the CPU)
+            kwargs["enforce_eager"] = True
         if world_size > 1:  # engines inside the torchrun ranks, on the job's process group (docs/design.md)
             kwargs["distributed_executor_backend"] = "external_launcher"
             kwargs["tensor_parallel_size"] = rollout.tensor_parallel_size  # consecutive ranks share one engine

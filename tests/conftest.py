@@ -208,6 +208,19 @@ TRAINED_RUN_OVERRIDES = ["recipe=bike_pricing", "trainer.steps=4", "rollout.prom
 ENGINE_FIXTURES = {"vllm_engine", "trained_run"}  # a test that needs one starts (or shares) a vLLM engine
 
 
+def pytest_configure(config):
+    """Under `make test`'s workers (pytest-xdist), each worker, and every process it starts, runs on a core set
+    of its own: the product sizes its threads from the cores it may run on (runtime.usable_cpus), so without
+    this two workers would each run two threads on two cores, and OpenMP threads spin-waiting on a shared core
+    cost more than the second thread gains (docs/testing.md)."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER"), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if worker is None or count < 2 or not hasattr(os, "sched_setaffinity"):
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) >= count:
+        os.sched_setaffinity(0, cores[int(worker.removeprefix("gw")) % count::count])
+
+
 def pytest_collection_modifyitems(items):
     """A test that uses the session's vLLM engine is slow as a matter of course (`make test-fast` skips it).
     The files that hold a slow test run first: `make test` gives its two workers a file at a time, so the

@@ -32,7 +32,7 @@ def test_two_ranks_with_an_engine_each_train_countdown_on_its_shipped_model(tmp_
     out = tmp_path / "runs"
     done = subprocess.run([sys.executable, "-m", "grpo_cli", "train", "recipe=countdown", "dist.nproc_per_node=2",
                            "trainer.steps=2", "eval.num_problems=8", "eval.every=2", "checkpoint.every=1",
-                           "rollout.push_check_every=1", f"output_dir={out}"],
+                           "rollout.push_check_every=1", "rollout.enforce_eager=true", f"output_dir={out}"],
                           capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "2 processes (FSDP2, an engine each)" in done.stdout
@@ -68,7 +68,7 @@ def test_two_ranks_can_share_one_tensor_parallel_vllm_engine(tmp_path, vllm_engi
     done = subprocess.run([sys.executable, "-m", "grpo_cli", "train", "recipe=bike_pricing", "dist.nproc_per_node=2",
                            "rollout.tensor_parallel_size=2", "trainer.steps=1", "eval.num_problems=4",
                            "rollout.max_new_tokens=96",
-                           "rollout.push_check_every=1", f"output_dir={out}"],
+                           "rollout.push_check_every=1", "rollout.enforce_eager=true", f"output_dir={out}"],
                           capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     run_dir = run_dir_of(out)

@@ -205,7 +205,7 @@ def test_vllm_serves_the_pushed_adapters_and_evaluates_adapter_checkpoints(tmp_p
 
     overrides = [o for o in TRAINED_RUN_OVERRIDES if not o.startswith(("trainer.steps", "eval.every", "trainer.lr"))]
     train = subprocess.run([sys.executable, "-m", "grpo_cli", "train", *overrides, "trainer.steps=3", "eval.every=0",
-                            "model.lora.rank=16", "trainer.lr=1e-2", "rollout.lora_push=adapter",
+                            "model.lora.rank=16", "trainer.lr=1e-2", "rollout.lora_push=adapter", "rollout.enforce_eager=true",
                             f"output_dir={tmp_path}"],
                            capture_output=True, text=True, timeout=600, cwd=REPO)
     assert train.returncode == 0, train.stderr[-3000:]
@@ -217,7 +217,7 @@ def test_vllm_serves_the_pushed_adapters_and_evaluates_adapter_checkpoints(tmp_p
     assert [m["time/push"] for m in logged if "time/push" in m]
 
     evaluated = subprocess.run([sys.executable, "-m", "grpo_cli", "eval", "checkpoints=[base,latest]", f"run={run_dir}",
-                                "eval.num_problems=16", "rollout.lora_push=adapter", f"out={tmp_path / 'eval.json'}"],
+                                "eval.num_problems=16", "rollout.lora_push=adapter", "rollout.enforce_eager=true", f"out={tmp_path / 'eval.json'}"],
                                capture_output=True, text=True, timeout=600, cwd=REPO)
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
     rows = json.loads((tmp_path / "eval.json").read_text())["checkpoints"]
@@ -237,7 +237,7 @@ from grpo_cli.sync import exact_push_check, push, push_check
 
 path = resolve_model_path("builtin:bike_base")
 lora = LoraConfig(rank=8)
-engine = VLLMEngine(path, ModelConfig(lora=lora), RolloutConfig(lora_push="adapter"), seed=0)
+engine = VLLMEngine(path, ModelConfig(lora=lora), RolloutConfig(lora_push="adapter", enforce_eager=True), seed=0)
 torch.manual_seed(0)
 policy = with_adapters(load_policy(path, "float32"), lora, path).eval()
 seq = [[5, 17, 40, 41, 80, 90, 33, 21, 7, 9]]

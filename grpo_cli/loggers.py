@@ -157,6 +157,10 @@ class WandbLogger:
         if not self._closed:
             self._closed = True
             self.run.finish()
+            # finish() can return before wandb's service has written the records to the offline file (seen
+            # once, under load: the file held its header only); teardown waits for the service to exit, so the
+            # run on disk is whole when `grpo train` returns.
+            self._wandb.teardown()
 
 
 class FanoutLogger:

@@ -24,24 +24,18 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
+
+from bench_tools import timed_rows  # scripts/ is on the path of a script run from it
 
 PHASES = ("update", "push", "logprobs", "generate")
 
 
 def run(extra: list[str], steps: int, out_dir: Path) -> dict:
-    cmd = [sys.executable, "-m", "grpo_cli", "train", "recipe=bike_pricing", f"trainer.steps={steps}", "eval.every=0",
-           "eval.num_problems=8", "checkpoint.every=0", "rollout.push_check_every=0", f"output_dir={out_dir}", *extra]
     started = time.time()
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode != 0:
-        sys.exit(f"{' '.join(extra) or 'full'} failed:\n{done.stderr[-3000:]}")
-    rows = [json.loads(line) for line in next(out_dir.glob("bike_pricing/*/metrics.jsonl")).read_text().splitlines()]
-    steps_rows = [r for r in rows if r["step"] >= 2 and "time/step" in r]
+    steps_rows = timed_rows(" ".join(extra) or "full", steps, out_dir, extra)
     return {"overrides": extra, "wall_s": time.time() - started,
             "s_per_step": statistics.median(r["time/step"] for r in steps_rows),
             "phases_s": {k: statistics.median(r.get(f"time/{k}", 0.0) for r in steps_rows) for k in PHASES},

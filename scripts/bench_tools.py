@@ -31,15 +31,22 @@ SUBTOTAL_TOOL = ["rollout.tools=[{function:calculator,open:'subtotal: ',close:' 
                  "rollout.tool_result_tags=['','']", "rollout.max_turns=3", "rollout.max_trajectory_tokens=200"]
 
 
-def run(name: str, steps: int, out_dir: Path, extra: list[str]) -> dict:
+def timed_rows(name: str, steps: int, out_dir: Path, extra: list[str]) -> list[dict]:
+    """`grpo train recipe=bike_pricing` for `steps` steps (no evaluation after step 0, no checkpoint, no push
+    check) with `extra`, in a subprocess; its logged rows of steps 2.. (step 1 pays for first-call set-up).
+    bench_lora.py uses it too."""
     cmd = [sys.executable, "-m", "grpo_cli", "train", "recipe=bike_pricing", f"trainer.steps={steps}", "eval.every=0",
            "eval.num_problems=8", "checkpoint.every=0", "rollout.push_check_every=0", f"output_dir={out_dir}", *extra]
-    started = time.time()
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         sys.exit(f"{name} failed:\n{done.stderr[-3000:]}")
     rows = [json.loads(line) for line in next(out_dir.glob("bike_pricing/*/metrics.jsonl")).read_text().splitlines()]
-    timed = [r for r in rows if r["step"] >= 2 and "time/step" in r]
+    return [r for r in rows if r["step"] >= 2 and "time/step" in r]
+
+
+def run(name: str, steps: int, out_dir: Path, extra: list[str]) -> dict:
+    started = time.time()
+    timed = timed_rows(name, steps, out_dir, extra)
     model_tokens = statistics.median(r["completion_len/mean"] * r["samples"] for r in timed)
     generate = statistics.median(r["time/generate"] for r in timed)
     out = {

@@ -28,6 +28,10 @@ install: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile $(PINS)
 	@$(PYTHON) scripts/pins.py driver '$(DRIVER)'
+	@# The python tool's sandbox needs bubblewrap (docs/sandbox.md): the system's package, where apt-get can install it.
+	@command -v bwrap >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+	  { apt-get install -y -q bubblewrap >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q bubblewrap >/dev/null; }; }; } || \
+	  echo "warning: bwrap (bubblewrap) is missing: the python tool fails closed without it (docs/sandbox.md)"
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet -c $(PINS) '$(VLLM_PKG)'
 	$(BIN)/pip install --quiet -c $(PINS) -e '.[dev]'

@@ -14,7 +14,8 @@ from typing import Any
 from grpo_cli.checkpoint import resolve_model_path
 from grpo_cli.config import TrainConfig
 from grpo_cli.engines.options import ENGINE_WORKSPACE_GIB, adapter_sleep_level
-from grpo_cli.tools.load import call_strings
+from grpo_cli.tools.builtin import BUILTIN_TOOLS, PYTHON_MEMORY_BYTES, PYTHON_PROCESSES
+from grpo_cli.tools.load import call_strings, require_sandbox
 
 FP32_BYTES = 4
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # bytes an element, by model.dtype
@@ -95,6 +96,7 @@ def batch_lines(cfg: TrainConfig, world_size: int) -> list[str]:
         f"{'the trajectory cap' if r.multi_turn else 'rollout.max_new_tokens'}={r.trajectory_tokens}); micro-batches of "
         f"<= {t.micro_batch_size} completions" + (f" and <= {t.micro_batch_tokens} padded tokens" if t.micro_batch_tokens else ""),
         *tool_lines(cfg),
+        *sandbox_lines(cfg),
         *staleness_lines(cfg),
     ]
 
@@ -129,6 +131,19 @@ def tool_lines(cfg: TrainConfig) -> list[str]:
             f"tool budgets per trajectory: <= {r.max_turns} model turns of <= {r.max_new_tokens} tokens, "
             f"<= {r.max_tool_calls} calls, <= {r.max_tool_result_tokens} tokens per result, <= {r.trajectory_tokens} "
             "tokens after the prompt (rollout.max_trajectory_tokens); tool replies are attended but leave the loss"]
+
+
+def sandbox_lines(cfg: TrainConfig) -> list[str]:
+    """The sandbox of each built-in tool that runs model-written code; one that cannot be made here fails the
+    check, as it would fail the run (docs/sandbox.md). A custom tool's module is imported by the run, not here."""
+    out = []
+    for i, spec in enumerate(cfg.rollout.tools):
+        if getattr(BUILTIN_TOOLS.get(spec.function), "untrusted_code", False) and spec.sandbox == "bwrap":
+            require_sandbox(f"rollout.tools[{i}]")
+            out.append(f"rollout.tools[{i}] ({spec.function}): model-written code runs in the sandbox (bwrap: no "
+                       f"network, no host files or processes; {PYTHON_MEMORY_BYTES // 2**20} MiB and "
+                       f"{PYTHON_PROCESSES} processes a call, all together)")
+    return out
 
 
 def adapter_parameter_count(shape: dict[str, Any], rank: int, targets: list[str]) -> int:
@@ -283,6 +298,10 @@ def warnings(cfg: TrainConfig) -> list[str]:
                    "with reward variance already")
     if t.mismatch_correction == "none" and (t.tis_cap != 2.0 or (t.seq_mask_low, t.seq_mask_high) != (0.5, 2.0)):
         out.append("trainer.tis_cap / seq_mask_*: unused with trainer.mismatch_correction=none")
+    for i, spec in enumerate(r.tools if r.multi_turn else []):
+        if getattr(BUILTIN_TOOLS.get(spec.function), "untrusted_code", False) and spec.sandbox == "none":
+            out.append(f"rollout.tools[{i}].sandbox=none: {spec.function} runs model-written code as your user, "
+                       "with your files, processes and network")
     if r.dynamic_sampling and r.max_sampling_rounds == 1:
         out.append("rollout.dynamic_sampling with max_sampling_rounds=1: no further round is ever sampled")
     return out

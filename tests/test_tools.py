@@ -134,8 +134,9 @@ def test_a_result_that_cannot_become_text_is_the_calls_failure_not_the_runs():
     assert not result.ok and result.text.startswith("error: the tool ValueError")
 
 
-def test_python_leaves_nothing_running_behind_it(tmp_path):
-    from grpo_cli.tools import python
+def test_unsandboxed_python_leaves_nothing_of_its_group_running_behind_it(tmp_path):
+    """`sandbox: none`: the call's process group goes with it (the sandboxed tool's escapes: test_sandbox.py)."""
+    from grpo_cli.tools.builtin import python_unsandboxed as python
 
     marker = tmp_path / "alive"
     child = f"import time; time.sleep(3); open({str(marker)!r}, 'w').close()"

@@ -9,7 +9,9 @@ import sys
 import tempfile
 from collections.abc import Callable
 from fractions import Fraction
+from typing import IO
 
+import grpo_cli.tools.sandbox as sandbox
 from grpo_cli.rewards.arithmetic import parse_expression
 
 ToolFn = Callable[[str], str]
@@ -42,12 +44,13 @@ def calculator(expression: str) -> str:
     return format_amount(parsed[0])
 
 
-# The `python` tool's limits, per call (docs/tools.md says what they do not isolate).
+# The `python` tool's limits, per call (docs/tools.md; docs/sandbox.md says what the sandbox isolates).
 PYTHON_CPU_SECONDS = 5  # CPU time (RLIMIT_CPU); a loop forever is killed by the kernel
-PYTHON_WALL_SECONDS = 8.0  # wall time (a sleep uses no CPU), then the process group is killed; under timeout_s's 10
-PYTHON_MEMORY_BYTES = 512 * 2**20  # address space (RLIMIT_AS): an unbounded allocation fails with MemoryError
+PYTHON_WALL_SECONDS = 8.0  # wall time (a sleep uses no CPU), then every process of the call is killed; under timeout_s's 10
+PYTHON_MEMORY_BYTES = 512 * 2**20  # address space per process (RLIMIT_AS); in the sandbox also all processes together
+PYTHON_PROCESSES = 32  # processes (and threads) at once, in the sandbox (its cgroup's pids.max)
 PYTHON_OUTPUT_BYTES = 16 * 2**10  # stdout + stderr (RLIMIT_FSIZE on the file they go to)
-PYTHON_KEPT_ENV = ("PATH", "LANG", "LC_ALL", "TZ")  # everything else (API keys, tokens, proxies) is dropped
+PYTHON_KEPT_ENV = ("PATH", "LANG", "LC_ALL", "TZ")  # unsandboxed: everything else (API keys, tokens) is dropped
 
 
 # The child sets its own limits (from its arguments), then runs the code; no preexec_fn, which is unsafe in
@@ -67,52 +70,105 @@ exec(compile(code, "<code>", "exec"), {"__name__": "__main__"})
 """
 
 
-def python(code: str) -> str:
-    """Run Python code in a fresh process and return what it printed (stdout, then stderr).
+def _signal_of(exit_code: int, sandboxed: bool) -> int | None:
+    """The signal that ended the code: a negative exit code from Popen, or 128 + N from bwrap, which reports
+    its child's death by signal N that way."""
+    if exit_code < 0:
+        return -exit_code
+    return exit_code - 128 if sandboxed and 128 < exit_code < 160 else None
 
-    Each call gets an empty temporary directory as its working directory and home, an environment with
-    only PATH and the locale, `python -I` (no user site, no PYTHON* variables), and limits: 5 s of CPU,
-    8 s of wall time, 512 MiB of address space, 16 KiB of output. Code that raises, or goes over a
-    limit, fails (ToolFailed): the model reads why and the end of what the code printed.
+
+def _stopped(exit_code: int | None, oom_killed: bool, full: bool, sandboxed: bool) -> str | None:
+    """Why the code did not finish cleanly, in the model's words; None when it did."""
+    if exit_code is None:
+        return f"stopped: over {PYTHON_WALL_SECONDS:g} s of wall time"
+    if oom_killed:
+        return f"stopped: over {PYTHON_MEMORY_BYTES // 2**20} MiB of memory, all its processes together"
+    signal = _signal_of(exit_code, sandboxed)
+    if signal == 24:  # SIGXCPU at the CPU limit (a process that ignores it gets SIGKILL a second later)
+        return f"stopped: over {PYTHON_CPU_SECONDS} s of CPU time"
+    if full:  # Python ignores SIGXFSZ: its writes past the limit fail, and the output stays cut there
+        return f"stopped: over {PYTHON_OUTPUT_BYTES // 1024} KiB of output"
+    if signal is not None:
+        return f"killed by signal {signal}"
+    return f"exited with code {exit_code}" if exit_code != 0 else None
+
+
+def _run_bare(program: list[str], root: str, out: IO[bytes]) -> int | None:
+    """The code as the trainer's user, in an empty folder, without the trainer's environment (no sandbox)."""
+    home = os.path.join(root, "home")
+    os.mkdir(home)
+    env = {k: os.environ[k] for k in PYTHON_KEPT_ENV if k in os.environ} | {"HOME": home, "TMPDIR": home}
+    proc = subprocess.Popen([sys.executable, "-I", *program], cwd=home, env=env, stdin=subprocess.DEVNULL, stdout=out,
+                            stderr=out, start_new_session=True)  # its own group: a timeout kills what it started
+    try:
+        exit_code: int | None = proc.wait(PYTHON_WALL_SECONDS)
+    except subprocess.TimeoutExpired:
+        exit_code = None
+    try:  # whatever it started in its group goes too (a setsid escapes this: docs/sandbox.md)
+        os.killpg(proc.pid, 9)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
+    return exit_code
+
+
+def _run_python(code: str, sandboxed: bool) -> str:
+    limits = [str(PYTHON_CPU_SECONDS), str(PYTHON_MEMORY_BYTES), str(PYTHON_OUTPUT_BYTES)]
+    program = ["-c", _BOOTSTRAP, *limits, code]
+    if "\0" in code:
+        raise ToolFailed("could not run the code (ValueError: a NUL byte)")
+    oom_killed = False
+    with tempfile.TemporaryDirectory(prefix="grpo-python-") as root:
+        out_path = os.path.join(root, "output")  # out of the code's sight: it writes through its stdout only
+        with open(out_path, "wb") as out:
+            try:
+                if sandboxed:
+                    call = sandbox.Limits(PYTHON_WALL_SECONDS, PYTHON_MEMORY_BYTES, PYTHON_PROCESSES)
+                    finished = sandbox.run([sandbox.interpreter(), "-I", "-S", *program], call, out)  # stdlib only
+                    exit_code, oom_killed = finished.exit_code, finished.oom_killed
+                else:
+                    exit_code = _run_bare(program, root, out)
+            except OSError as e:  # the sandbox could not be made for this call: fail closed
+                raise ToolFailed(f"could not run the code ({type(e).__name__}: {e})"[:200]) from None
+        with open(out_path, "rb") as f:
+            text = f.read(PYTHON_OUTPUT_BYTES).decode("utf-8", errors="replace").rstrip("\n")
+        full = os.path.getsize(out_path) >= PYTHON_OUTPUT_BYTES
+    stopped = _stopped(exit_code, oom_killed, full, sandboxed)
+    if stopped is None:
+        return text
+    raise ToolFailed(f"{stopped}; it printed: {text[-160:]}" if text.strip() else stopped)
+
+
+def python(code: str) -> str:
+    """Run Python code in a sandbox and return what it printed (stdout, then stderr).
+
+    Each call runs in a fresh sandbox: no network, no files but the Python standard library (read-only) and
+    an empty working directory, and limits: 5 s of CPU, 8 s of wall time, 512 MiB of memory, 32 processes,
+    16 KiB of output. Code that raises, or goes over a limit, fails: the model reads why and the end of
+    what the code printed.
 
     Args:
         code: a Python program; what it prints is the result
     """
-    limits = [str(PYTHON_CPU_SECONDS), str(PYTHON_MEMORY_BYTES), str(PYTHON_OUTPUT_BYTES)]
-    with tempfile.TemporaryDirectory(prefix="grpo-python-") as root:
-        home, out_path = os.path.join(root, "home"), os.path.join(root, "output")  # the output file out of its sight
-        os.mkdir(home)
-        env = {k: os.environ[k] for k in PYTHON_KEPT_ENV if k in os.environ} | {"HOME": home, "TMPDIR": home}
-        with open(out_path, "wb") as out:
-            try:
-                proc = subprocess.Popen([sys.executable, "-I", "-c", _BOOTSTRAP, *limits, code], cwd=home, env=env,
-                                        stdin=subprocess.DEVNULL, stdout=out, stderr=out,
-                                        start_new_session=True)  # its own group: a timeout kills what it started
-            except (OSError, ValueError) as e:  # e.g. a NUL byte in the code
-                raise ToolFailed(f"could not run the code ({type(e).__name__})") from None
-            try:
-                exit_code: int | None = proc.wait(PYTHON_WALL_SECONDS)
-            except subprocess.TimeoutExpired:
-                exit_code = None
-            try:  # whatever it started in the background goes too
-                os.killpg(proc.pid, 9)
-            except (ProcessLookupError, PermissionError):
-                pass
-            proc.wait()
-        with open(out_path, "rb") as f:
-            text = f.read(PYTHON_OUTPUT_BYTES).decode("utf-8", errors="replace").rstrip("\n")
-        full = os.path.getsize(out_path) >= PYTHON_OUTPUT_BYTES
-    if exit_code is None:
-        stopped = f"stopped: over {PYTHON_WALL_SECONDS:g} s of wall time"
-    elif exit_code in (-9, -24):  # SIGXCPU at the CPU limit, SIGKILL a second later
-        stopped = f"stopped: over {PYTHON_CPU_SECONDS} s of CPU time"
-    elif full:  # Python ignores SIGXFSZ: its writes past the limit fail, and the output stays cut there
-        stopped = f"stopped: over {PYTHON_OUTPUT_BYTES // 1024} KiB of output"
-    elif exit_code != 0:
-        stopped = f"exited with code {exit_code}" if exit_code > 0 else f"killed by signal {-exit_code}"
-    else:
-        return text
-    raise ToolFailed(f"{stopped}; it printed: {text[-160:]}" if text.strip() else stopped)
+    return _run_python(code, sandboxed=True)
+
+
+def python_unsandboxed(code: str) -> str:
+    """Run Python code in a fresh process and return what it printed (stdout, then stderr).
+
+    The code runs as the trainer's user in an empty temporary directory, without the trainer's environment,
+    under limits: 5 s of CPU, 8 s of wall time, 512 MiB of address space, 16 KiB of output. Code that
+    raises, or goes over a limit, fails: the model reads why and the end of what the code printed.
+
+    Args:
+        code: a Python program; what it prints is the result
+    """
+    return _run_python(code, sandboxed=False)
+
+
+python.untrusted_code = True  # type: ignore[attr-defined]  # load_tools: needs the sandbox, or `sandbox: none`
+UNSANDBOXED_TOOLS: dict[str, ToolFn] = {"python": python_unsandboxed}  # what `sandbox: none` runs instead
 
 
 BUILTIN_TOOLS: dict[str, ToolFn] = {"calculator": calculator, "python": python}

@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import inspect
 import math
+import sys
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+import grpo_cli.tools.sandbox as sandbox
 from grpo_cli.errors import UsageError
 from grpo_cli.rewards.load import import_function
 from grpo_cli.rewards.worker import RewardWorker, call_in_process
-from grpo_cli.tools.builtin import BUILTIN_TOOLS, ToolFn
+from grpo_cli.tools.builtin import BUILTIN_TOOLS, UNSANDBOXED_TOOLS, ToolFn
 from grpo_cli.tools.chat import tool_schema
 from grpo_cli.tools.environment import load_environment
 
@@ -54,6 +56,33 @@ def _load_function(name: str, where: str) -> ToolFn:
         raise UsageError(f"{where}: {e}") from None
 
 
+def _sandboxed(fn: ToolFn, spec: Any, where: str) -> ToolFn:
+    """A tool that runs model-written code (it says so with `untrusted_code = True`, as the built-in python does)
+    runs it in the sandbox, which must be makeable here; `sandbox: none` is the built-in's unsandboxed twin,
+    with a warning. Fails closed, naming the key."""
+    if not getattr(fn, "untrusted_code", False):
+        if spec.sandbox == "none":
+            raise UsageError(f"{where}.sandbox: none applies to a tool that runs model-written code (the built-in "
+                             f"python); '{spec.function}' declares none")
+        return fn
+    if spec.sandbox == "none":
+        if spec.function not in UNSANDBOXED_TOOLS:
+            raise UsageError(f"{where}.sandbox: none; '{spec.function}' has no unsandboxed form (only the built-in "
+                             "python does)")
+        print(f"warning: {where} ({spec.function}) runs model-written code without a sandbox ({where}.sandbox=none): "
+              "it can read, write and signal what the trainer's user can, and reach the network", file=sys.stderr)
+        return UNSANDBOXED_TOOLS[spec.function]
+    require_sandbox(where)
+    return fn
+
+
+def require_sandbox(where: str) -> None:
+    """Fail closed, at the edge: the sandbox cannot be made on this machine (the line names the opt-out key)."""
+    if (why := sandbox.problem()) is not None:
+        raise UsageError(f"{where}.sandbox: the sandbox for model-written code cannot be made here: {why}; set "
+                         f"{where}.sandbox=none to run it unsandboxed (docs/sandbox.md)")
+
+
 def _check_signature(fn: ToolFn, where: str) -> None:
     """A tag-format tool takes exactly one required argument, the text between its tags."""
     try:
@@ -87,7 +116,7 @@ def load_tools(specs: list, tool_format: str = "tags", environment: Any = None) 
     loaded tools, for `rollout.tool_format`. Fails at the edge, naming the key."""
     candidates = []  # (where, name, fn, open, close, timeout_s, environment)
     for i, spec in enumerate(specs):
-        fn = _load_function(spec.function, f"rollout.tools[{i}].function")
+        fn = _sandboxed(_load_function(spec.function, f"rollout.tools[{i}].function"), spec, f"rollout.tools[{i}]")
         candidates.append((f"rollout.tools[{i}]", spec.function, fn, *call_strings(spec), spec.timeout_s, None))
     env, methods = load_environment(environment, tool_format) if environment is not None else (None, [])
     for method, stand_in, open_, close in methods:

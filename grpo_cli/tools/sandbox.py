@@ -1,0 +1,237 @@
+"""A sandbox for model-written code: Linux namespaces through bubblewrap, and a cgroup per call (docs/sandbox.md).
+
+An RL policy is optimized toward whatever pays, so the code it writes is treated as hostile (issue 36). One
+call runs `bwrap` with:
+- every namespace new (user, PID, network, IPC, UTS, cgroup, mount): no network (a loopback of its own, down),
+  no host process visible or signalable, and every process of the call dies with its PID 1 (a double fork and
+  `setsid` do not leave it);
+- a root of its own: /usr read-only (and the interpreter's prefix when it lives elsewhere), a fresh /proc and
+  /dev, a private /tmp, a private working directory /scratch (also its home); no /home, /root, /etc, project,
+  run directory or host /tmp;
+- no capabilities, uid and gid 65534, an environment of PATH, HOME and the locale. bwrap itself starts with an
+  empty environment: it is the call's PID 1, and its /proc/1/environ is readable from inside;
+- a cgroup: the memory of all its processes together (swap and tmpfs included) and the number of processes.
+The code's own bootstrap (builtin.py) adds rlimits: CPU time, address space, output size.
+
+Where any part cannot be made (no bwrap, no user namespaces, no cgroup this user may create), `problem()` says
+why in one line and callers fail closed; nothing falls back to running the code bare.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+SANDBOX_UID = 65534  # "nobody": the code's uid and gid inside its user namespace
+CGROUP_FS = Path("/sys/fs/cgroup")
+INSIDE_PATH = "/usr/local/bin:/usr/bin:/bin"
+INSIDE_ENV = {"PATH": INSIDE_PATH, "HOME": "/scratch", "TMPDIR": "/tmp", "LANG": "C.UTF-8"}
+
+
+@dataclass(frozen=True)
+class Limits:
+    wall_s: float  # wall time of the whole call, then every process in it is killed
+    memory_bytes: int  # all the call's processes together (cgroup), swap and its tmpfs files included
+    processes: int  # at once, the first one included (cgroup pids)
+
+
+@dataclass(frozen=True)
+class Finished:
+    exit_code: int | None  # of the first process; None: killed at the wall-time limit
+    oom_killed: bool  # the kernel killed a process of the call at its memory limit
+
+
+def interpreter() -> str:
+    """The real Python binary behind sys.executable (a venv's is a link to it): the path code runs with inside.
+    The venv itself stays out of sight; callers run it with `-I -S` (no site-packages)."""
+    return os.path.realpath(sys.executable)
+
+
+def _prefixes() -> list[str]:
+    """Folders besides /usr the interpreter needs (its installation, e.g. pyenv's), bound read-only."""
+    prefix = os.path.realpath(sys.base_prefix)
+    return [] if prefix == "/usr" or prefix.startswith("/usr/") else [prefix]
+
+
+def bwrap_argv(argv: list[str]) -> list[str]:
+    """The bwrap command line that runs `argv` in the sandbox (argv[0]: an absolute path inside it)."""
+    binds = ["--ro-bind", "/usr", "/usr"]
+    for top in ("bin", "lib", "lib64", "sbin"):  # merged-/usr systems have these as links into /usr
+        host = Path("/") / top
+        if host.is_symlink():
+            binds += ["--symlink", os.readlink(host), f"/{top}"]
+        elif host.is_dir():
+            binds += ["--ro-bind", str(host), f"/{top}"]
+    binds += ["--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache"]
+    for path in _prefixes():
+        binds += ["--ro-bind", path, path]
+    env = [arg for k, v in INSIDE_ENV.items() for arg in ("--setenv", k, v)]
+    return [shutil.which("bwrap") or "bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
+            "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--hostname", "sandbox", *binds,
+            "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--dir", "/scratch", "--chdir", "/scratch",
+            "--clearenv", *env, "--", *argv]
+
+
+# ----------------------------------------------------------------------------------------------- cgroups
+
+
+def _own_cgroups() -> dict[str, str]:
+    """/proc/self/cgroup as {controller: path}; cgroup v2's line is under the key ""."""
+    out = {}
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        for name in controllers.split(",") if controllers else [""]:
+            out[name] = path
+    return out
+
+
+def _v2_mount() -> Path | None:
+    """Where the cgroup v2 hierarchy is mounted (/sys/fs/cgroup, or /sys/fs/cgroup/unified on a hybrid host)."""
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        left, _, right = line.partition(" - ")
+        if right.split(" ")[0] == "cgroup2":
+            return Path(left.split(" ")[4])
+    return None
+
+
+def _remove_orphans(parent: Path) -> None:
+    """Empty call cgroups left by a process that died mid-call (a tool worker killed on its timeout): their
+    names carry the creator's pid."""
+    for d in parent.glob("grpo-sandbox-*"):
+        pid = int(d.name.split("-")[2])
+        if pid != os.getpid() and not Path(f"/proc/{pid}").exists():
+            try:
+                d.rmdir()
+            except OSError:
+                pass
+
+
+class CallGroup:
+    """The cgroup(s) of one call: v2 (one folder with memory and pids) where this process may create one with
+    both controllers, else v1 (a folder in the memory and in the pids hierarchy)."""
+
+    def __init__(self, limits: Limits):
+        name = f"grpo-sandbox-{os.getpid()}-{time.monotonic_ns()}"
+        own = _own_cgroups()
+        mount = _v2_mount()
+        parent = mount / own.get("", "/").lstrip("/") if mount is not None else None
+        if parent is not None and {"memory", "pids"} <= set((parent / "cgroup.subtree_control").read_text().split()
+                                                             if (parent / "cgroup.subtree_control").exists() else []):
+            self.version, self.dirs = 2, [parent / name]
+        elif (CGROUP_FS / "memory").is_dir() and (CGROUP_FS / "pids").is_dir() and "memory" in own and "pids" in own:
+            self.version = 1
+            self.dirs = [CGROUP_FS / c / own[c].lstrip("/") / name for c in ("memory", "pids")]
+        else:
+            raise OSError("no cgroup with the memory and pids controllers that this process may create (cgroup v2 "
+                          "needs them delegated, e.g. a systemd scope with Delegate=yes)")
+        for d in self.dirs:
+            _remove_orphans(d.parent)
+            d.mkdir()  # PermissionError / OSError: the caller reports it
+        try:
+            if self.version == 2:
+                self._write("memory.max", limits.memory_bytes)
+                self._write("memory.swap.max", 0)
+                self._write("pids.max", limits.processes)
+            else:
+                self._write("memory.limit_in_bytes", limits.memory_bytes)
+                if (self.dirs[0] / "memory.memsw.limit_in_bytes").exists():  # swap accounting on: none of it
+                    self._write("memory.memsw.limit_in_bytes", limits.memory_bytes)
+                self._write("pids.max", limits.processes)
+        except OSError:
+            self.remove()
+            raise
+
+    def _write(self, name: str, value: int) -> None:
+        target = next(d / name for d in self.dirs if (d / name).exists())
+        target.write_text(str(value))
+
+    def join_prefix(self) -> list[str]:
+        """A shell that moves itself into the call's cgroup(s) and then execs the command, so the first process
+        of the call, and all it forks, are inside before any model code runs."""
+        moves = " && ".join(f"echo $$ > '{d / 'cgroup.procs'}'" for d in self.dirs)
+        return ["/bin/sh", "-c", f"{moves} && exec \"$@\"", "sh"]
+
+    def oom_killed(self) -> bool:
+        name = "memory.events" if self.version == 2 else "memory.oom_control"
+        for line in (self.dirs[0] / name).read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill":
+                return int(value) > 0
+        return False
+
+    def pids(self) -> list[int]:
+        return [int(p) for p in (self.dirs[-1] / "cgroup.procs").read_text().split()]
+
+    def kill_all(self, wait_s: float = 2.0) -> None:
+        """SIGKILL every process still in the call's cgroup, until it is empty (or wait_s passes)."""
+        deadline = time.monotonic() + wait_s
+        while (pids := self.pids()) and time.monotonic() < deadline:
+            for pid in pids:
+                try:
+                    os.kill(pid, 9)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.005)
+
+    def remove(self) -> None:
+        for d in self.dirs:
+            for _ in range(200):  # a killed process leaves its cgroup a moment after it is reaped
+                try:
+                    d.rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    time.sleep(0.005)
+
+
+# ------------------------------------------------------------------------------------------------ running
+
+
+def run(argv: list[str], limits: Limits, output: IO[bytes]) -> Finished:
+    """Run `argv` (argv[0] a path that exists inside: /usr/...) in the sandbox, stdout and stderr into
+    `output`, stdin closed; kill everything it started at the end. Raises OSError when the sandbox cannot be
+    made; never runs the code outside one."""
+    group = CallGroup(limits)
+    try:
+        command = group.join_prefix() + bwrap_argv(argv)
+        proc = subprocess.Popen(command, env={}, cwd="/", stdin=subprocess.DEVNULL, stdout=output, stderr=output,
+                                start_new_session=True)  # env={}: bwrap is PID 1 inside, its environ readable
+        try:
+            exit_code: int | None = proc.wait(limits.wall_s)
+        except subprocess.TimeoutExpired:
+            exit_code = None
+        try:
+            os.killpg(proc.pid, 9)  # bwrap's own process; the call's PID 1 dies with it (--die-with-parent)
+        except (ProcessLookupError, PermissionError):
+            pass
+        proc.wait()
+        group.kill_all()
+        return Finished(exit_code, group.oom_killed())
+    finally:
+        group.remove()
+
+
+@functools.cache
+def problem() -> str | None:
+    """Why the sandbox cannot be made on this machine, in one line; None when a trial call runs in it."""
+    if shutil.which("bwrap") is None:
+        return "bwrap (bubblewrap) is not on PATH; `make install` installs it on Debian and Ubuntu"
+    trial = Limits(wall_s=10.0, memory_bytes=256 * 2**20, processes=8)
+    try:
+        with open(os.devnull, "wb") as sink:
+            finished = run([interpreter(), "-I", "-S", "-c", "import os; assert os.getuid() == 65534"], trial, sink)
+    except OSError as e:
+        return f"cannot make the call's cgroup ({' '.join(str(e).split())[:160]})"
+    if finished.exit_code != 0:
+        out = subprocess.run(bwrap_argv(["/bin/true"]), capture_output=True, text=True, env={}, timeout=10)
+        why = " ".join(out.stderr.split())[:160] or f"exit code {finished.exit_code}"
+        return f"bwrap cannot start a sandbox here ({why}); user namespaces may be off"
+    return None

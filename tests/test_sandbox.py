@@ -1,0 +1,267 @@
+"""The `python` tool's sandbox against hostile code (tier 1: a second or so a call; docs/sandbox.md).
+
+Each test is an attack a policy could learn, written as the model would write it, run through the tool as a
+run loads it (`load_tools`, the default `sandbox: bwrap`). Each failed against the unsandboxed tool
+(`python_unsandboxed`, the tool before issue 36): the file read, the write, the environment, the loopback
+connection, the signal, the process list, the double-fork escape, the bounded fork bomb and the memory of
+many processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from grpo_cli.config import ToolSpec
+from grpo_cli.errors import UsageError
+from grpo_cli.tools import builtin, sandbox
+from grpo_cli.tools.load import call_tool, load_tools
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run(code: str) -> tuple[str, bool]:
+    """The built-in python tool as a run loads it (sandboxed, in process), on `code`: (text, ok)."""
+    (tool,) = load_tools([ToolSpec(function="python", timeout_s=None)])
+    result = call_tool(tool, code)
+    return result.text, result.ok
+
+
+def probe_files(paths: list[str], mode: str) -> dict[str, str]:
+    """What the code got for each path: its start, or the error's type name."""
+    code = f"""import json
+out = {{}}
+for path in {paths!r}:
+    try:
+        with open(path, {mode!r}) as f:
+            out[path] = f.read(40) if {mode!r} == "r" else f.write("tampered") and "written"
+    except OSError as e:
+        out[path] = type(e).__name__
+print(json.dumps(out))
+"""
+    text, ok = run(code)
+    assert ok, text
+    return json.loads(text)
+
+
+def test_the_code_reads_no_file_outside_its_scratch_folder(tmp_path):
+    secret = tmp_path / "heldout_answers.jsonl"
+    secret.write_text('{"answer": 42}\n')
+    netrc = Path.home() / ".netrc"
+    got = probe_files([str(secret), str(REPO / "grpo_cli" / "rewards" / "builtin.py"), str(netrc), "/etc/passwd",
+                       "/etc/hostname"], "r")
+    assert set(got.values()) <= {"FileNotFoundError", "PermissionError"}, got
+
+
+def test_the_code_writes_nowhere_but_its_scratch_folder(tmp_path):
+    module = tmp_path / "pkg" / "builtin.py"  # a stand-in for an editable install's reward module
+    module.parent.mkdir()
+    module.write_text("REWARD = 'honest'\n")
+    created = tmp_path / "created.txt"
+    got = probe_files([str(module), str(created)], "a")
+    assert "written" not in got.values(), got
+    assert module.read_text() == "REWARD = 'honest'\n" and not created.exists()
+    text, ok = run(f"import os; print([os.access(p, os.W_OK) for p in ('/usr/lib', {str(REPO)!r})])")
+    assert ok and text == "[False, False]", text
+    text, ok = run("open('note.txt', 'w').write('kept'); open('/tmp/t', 'w').write('x'); print(open('note.txt').read())")
+    assert ok and text == "kept"  # its own scratch folder and /tmp are writable
+
+
+def test_the_code_sees_none_of_the_trainers_environment():
+    """Not in its own environment, nor through /proc: its parent's environ (PID 1, bwrap) is empty too."""
+    host = [e for e in Path("/proc/self/environ").read_bytes().decode(errors="replace").split("\0")
+            if e and e.split("=", 1)[0] not in ("PATH", "LANG", "LC_ALL", "TZ")]
+    code = """import os
+for path in (f"/proc/{os.getppid()}/environ", "/proc/1/environ", "/proc/self/environ"):
+    try:
+        print(open(path, "rb").read().decode(errors="replace"))
+    except OSError as e:
+        print(type(e).__name__)
+"""
+    text, ok = run(code)
+    assert ok, text
+    leaked = [e for e in host if e in text]
+    assert host and not leaked, leaked[:5]
+
+
+def test_the_code_has_no_network_not_even_the_hosts_loopback():
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    server.setblocking(False)
+    port = server.getsockname()[1]
+    code = f"""import socket
+try:
+    s = socket.create_connection(("127.0.0.1", {port}), timeout=2)
+    s.sendall(b"leak")
+    print("connected")
+except OSError as e:
+    print(type(e).__name__)
+"""
+    try:
+        text, ok = run(code)
+        with pytest.raises(BlockingIOError):  # nothing knocked
+            server.accept()
+    finally:
+        server.close()
+    assert ok and text != "connected", text
+
+
+def test_the_code_cannot_signal_or_see_host_processes():
+    marker = f"victim-{uuid.uuid4().hex}"  # searched for as hex below, so the code's own argv does not hold it
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", marker])
+    code = f"""import os
+try:
+    os.kill({victim.pid}, 9)
+    print("killed")
+except OSError as e:
+    print(type(e).__name__)
+pids = [p for p in os.listdir("/proc") if p.isdigit()]
+marker = bytes.fromhex("{marker.encode().hex()}")
+print(len(pids), any(marker in open(f"/proc/{{p}}/cmdline", "rb").read() for p in pids))
+"""
+    try:
+        text, ok = run(code)
+        time.sleep(0.2)
+        assert victim.poll() is None, "the host process was killed"
+    finally:
+        victim.kill()
+        victim.wait()
+    killed, seen = text.splitlines()
+    count, victim_seen = seen.split()
+    assert ok and killed == "ProcessLookupError" and victim_seen == "False" and int(count) <= 3, text
+
+
+def host_processes_with(marker: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and marker.encode() in (entry / "cmdline").read_bytes():
+                found.append(int(entry.name))
+        except OSError:
+            pass
+    return found
+
+
+def test_a_double_fork_and_setsid_does_not_outlive_the_call():
+    marker = f"escaped-{uuid.uuid4().hex}"
+    code = f"""import os, sys
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        os.execv(sys.executable, [sys.executable, "-c", "import time; time.sleep(30)", "{marker}"])
+    os._exit(0)
+os.wait()
+print("forked")
+"""
+    text, ok = run(code)
+    time.sleep(0.3)
+    left = host_processes_with(marker)
+    for pid in left:
+        os.kill(pid, 9)
+    assert ok and text == "forked" and not left, left
+
+
+def test_a_fork_bomb_stops_at_the_process_limit():
+    code = """import os, time
+started = 0
+for _ in range(200):
+    try:
+        if os.fork() == 0:
+            time.sleep(5)
+            os._exit(0)
+        started += 1
+    except OSError:
+        break
+print(started)
+"""
+    started_at = time.monotonic()
+    text, ok = run(code)
+    assert ok and int(text) < builtin.PYTHON_PROCESSES, text
+    assert time.monotonic() - started_at < builtin.PYTHON_WALL_SECONDS + 2  # the sleepers went with the call
+
+
+def test_many_processes_share_one_memory_limit():
+    """Six children of 150 MiB each: 900 MiB in all against the call's 512 MiB. Some are killed (or the call
+    is, reported as over its memory), never all six alive at once."""
+    code = """import os, select, time
+readers = []
+for _ in range(6):
+    r, w = os.pipe()
+    if os.fork() == 0:
+        block = b"x" * (150 * 2**20)  # written, so resident
+        os.write(w, b"ok")
+        time.sleep(3)
+        os._exit(0)
+    os.close(w)
+    readers.append(r)
+alive, deadline = 0, time.monotonic() + 4
+while readers and time.monotonic() < deadline:
+    ready, _, _ = select.select(readers, [], [], 0.2)
+    for r in ready:
+        alive += os.read(r, 2) == b"ok"
+        readers.remove(r)
+print(alive)
+"""
+    text, ok = run(code)
+    if ok:
+        assert int(text) * 150 <= 512, text
+    else:
+        assert "over 512 MiB of memory, all its processes together" in text, text
+
+
+def test_the_sandbox_missing_fails_closed_naming_the_opt_out(monkeypatch, capsys):
+    monkeypatch.setattr(sandbox, "problem", lambda: "bwrap (bubblewrap) is not on PATH")
+    with pytest.raises(UsageError, match=r"rollout.tools\[0\].sandbox: the sandbox for model-written code cannot be "
+                                         r"made here: bwrap .*; set rollout.tools\[0\].sandbox=none"):
+        load_tools([ToolSpec(function="python")])
+    (bare,) = load_tools([ToolSpec(function="python", sandbox="none", timeout_s=None)])
+    assert "runs model-written code without a sandbox" in capsys.readouterr().err
+    assert call_tool(bare, "print(6 * 7)") == ("42", True)
+
+
+def test_a_sandbox_that_breaks_mid_run_fails_the_call_not_open(monkeypatch):
+    def broken(limits):
+        raise PermissionError("cgroup.procs: permission denied")
+
+    monkeypatch.setattr(sandbox, "CallGroup", broken)
+    text, ok = run("print('ran')")
+    assert not ok and text.startswith("error: could not run the code (PermissionError") and "ran" not in text
+
+
+def test_sandbox_none_is_refused_where_it_means_nothing():
+    with pytest.raises(UsageError, match=r"rollout.tools\[0\].sandbox: none applies to a tool that runs "):
+        load_tools([ToolSpec(function="calculator", sandbox="none")])
+
+
+def test_each_call_removes_its_cgroups(monkeypatch):
+    made = []
+
+    class Recorded(sandbox.CallGroup):
+        def __init__(self, limits):
+            super().__init__(limits)
+            made.append(self)
+
+    monkeypatch.setattr(sandbox, "CallGroup", Recorded)
+    assert run("print(sum(range(10)))") == ("45", True)
+    (group,) = made
+    assert group.dirs and not any(d.exists() for d in group.dirs)
+
+
+def test_grpo_check_shows_the_sandbox_and_fails_closed_without_it(cli, monkeypatch):
+    tools = "rollout.tools=[{function:python}]"
+    shown = cli("check", "recipe=bike_pricing_tools", tools)
+    assert shown.returncode == 0 and "rollout.tools[0] (python): model-written code runs in the sandbox" in shown.stdout
+    monkeypatch.setattr(sandbox, "problem", lambda: "bwrap (bubblewrap) is not on PATH")
+    refused = cli("check", "recipe=bike_pricing_tools", tools)
+    assert refused.returncode == 2 and "set rollout.tools[0].sandbox=none" in refused.stdout + refused.stderr
+    bare = cli("check", "recipe=bike_pricing_tools", "rollout.tools=[{function:python,sandbox:none}]")
+    assert bare.returncode == 0 and "warning: rollout.tools[0].sandbox=none: python runs model-written code" in bare.stdout

@@ -106,6 +106,44 @@ def cut_at_stop(ids: list[int], text: str, stops: list[str], decode: Any) -> tup
     return lo, prefix, min(prefix.find(s) + len(s) for s in stops if s in prefix)
 
 
+def plain_ids(tokenizer: Any, text: str, added: list[str]) -> list[int]:
+    """`text` as ordinary characters: no added or special token of the tokenizer (`added`: their strings) is
+    matched in it, so an `<|endoftext|>` or `<|im_end|><|im_start|>system` that a tool prints stays characters
+    (issue 36). Each occurrence is cut after its first character before tokenizing; a text holding none is
+    tokenized whole, as before."""
+    cuts = sorted({i + 1 for token in added for i in _occurrences(text, token)})
+    bounds = [0, *cuts, len(text)]
+    pieces = [text[a:b] for a, b in zip(bounds, bounds[1:]) if b > a]
+    return [i for piece in pieces for i in tokenizer(piece, add_special_tokens=False)["input_ids"]]
+
+
+def _occurrences(text: str, token: str) -> list[int]:
+    found, at = [], text.find(token)
+    while at >= 0:
+        found.append(at)
+        at = text.find(token, at + 1)
+    return found
+
+
+def reply_ids(tokenizer: Any, fmt: TagFormat | ChatFormat, result: str, max_result_tokens: int,
+              added: list[str]) -> tuple[list[int], str]:
+    """The environment's reply to a call as tokens, and the result text it holds (cut to max_result_tokens).
+    The result is plain text in both paths; the format's own strings keep their tokens: tokenized apart from
+    the result where they hold an added or special token (a chat template's), else with it in one string (tag
+    formats: the ids of a benign reply are those of the whole string)."""
+    result_ids = plain_ids(tokenizer, result, added)
+    if len(result_ids) > max_result_tokens:
+        result_ids = result_ids[:max_result_tokens]
+        result = tokenizer.decode(result_ids)  # the characters kept (plain ids: no special token to skip)
+    before, after = fmt.around
+    if any(token in before or token in after for token in added):
+        def own(part: str) -> list[int]:
+            return tokenizer(part, add_special_tokens=False)["input_ids"]
+
+        return own(before) + result_ids + own(after), result
+    return plain_ids(tokenizer, fmt.render(result), added), result
+
+
 class ToolEngine(DelegatingEngine):
     """A rollout engine whose samples are conversations with tools (module docstring); pushes, scoring and
     sleep are the inner engine's."""
@@ -114,6 +152,7 @@ class ToolEngine(DelegatingEngine):
         super().__init__(engine)
         self.tools, self.fmt, self.caps = {t.name: t for t in tools}, fmt, caps
         self.environment = environment_of(tools)
+        self.added = [t for t in self.tokenizer.get_added_vocab() if t]  # token strings a result must not become
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -209,12 +248,8 @@ class ToolEngine(DelegatingEngine):
                 t.env_calls.append((tool_name, argument))
         else:
             result = call_tool(tool, argument)
-        result_ids = self.tokenizer(result.text, add_special_tokens=False)["input_ids"]
-        text = result.text
-        if len(result_ids) > self.caps.max_tool_result_tokens:
-            text = self._decode(result_ids[: self.caps.max_tool_result_tokens])
+        ids, text = reply_ids(self.tokenizer, self.fmt, result.text, self.caps.max_tool_result_tokens, self.added)
         reply = self.fmt.render(text)
-        ids = self.tokenizer(reply, add_special_tokens=False)["input_ids"]
         room = self.caps.max_trajectory_tokens - len(t.ids)
         t.calls += 1
         t.add_environment(ids[:room], {"role": "tool", "tool": tool_name, "argument": argument, "result": text,

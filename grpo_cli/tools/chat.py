@@ -83,5 +83,10 @@ class ChatFormat:
             return Call("", f"no tool is named {str(name)[:40]!r}; the tools are {', '.join(self.names)}")
         return Call(self.names[name], arguments)
 
+    @property
+    def around(self) -> tuple[str, str]:
+        """The template's text before and after a result (its special tokens among it)."""
+        return self.reply_before, self.reply_after
+
     def render(self, result: str) -> str:
         return f"{self.reply_before}{result}{self.reply_after}"

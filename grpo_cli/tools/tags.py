@@ -39,6 +39,11 @@ class TagFormat:
                 return Call(name, body[start + len(open_):])
         return None
 
+    @property
+    def around(self) -> tuple[str, str]:
+        """The reply's own text before and after a result."""
+        return self.result_open, self.result_close
+
     def render(self, result: str) -> str:
         """The environment's reply to a call: its result between the result strings."""
         return f"{self.result_open}{result}{self.result_close}"

@@ -14,7 +14,7 @@ from typing import Any
 from grpo_cli.checkpoint import resolve_model_path
 from grpo_cli.config import TrainConfig
 from grpo_cli.engines.options import ENGINE_WORKSPACE_GIB, adapter_sleep_level
-from grpo_cli.tools.builtin import BUILTIN_TOOLS, PYTHON_MEMORY_BYTES, PYTHON_PROCESSES
+from grpo_cli.tools.builtin import BUILTIN_TOOLS, PYTHON_MEMORY_BYTES, PYTHON_PROCESSES, runs_untrusted_code
 from grpo_cli.tools.load import call_strings, require_sandbox
 
 FP32_BYTES = 4
@@ -138,7 +138,7 @@ def sandbox_lines(cfg: TrainConfig) -> list[str]:
     check, as it would fail the run (docs/sandbox.md). A custom tool's module is imported by the run, not here."""
     out = []
     for i, spec in enumerate(cfg.rollout.tools):
-        if getattr(BUILTIN_TOOLS.get(spec.function), "untrusted_code", False) and spec.sandbox == "bwrap":
+        if runs_untrusted_code(BUILTIN_TOOLS.get(spec.function)) and spec.sandbox == "bwrap":
             require_sandbox(f"rollout.tools[{i}]")
             out.append(f"rollout.tools[{i}] ({spec.function}): model-written code runs in the sandbox (bwrap: no "
                        f"network, no host files or processes; {PYTHON_MEMORY_BYTES // 2**20} MiB and "
@@ -298,8 +298,8 @@ def warnings(cfg: TrainConfig) -> list[str]:
                    "with reward variance already")
     if t.mismatch_correction == "none" and (t.tis_cap != 2.0 or (t.seq_mask_low, t.seq_mask_high) != (0.5, 2.0)):
         out.append("trainer.tis_cap / seq_mask_*: unused with trainer.mismatch_correction=none")
-    for i, spec in enumerate(r.tools if r.multi_turn else []):
-        if getattr(BUILTIN_TOOLS.get(spec.function), "untrusted_code", False) and spec.sandbox == "none":
+    for i, spec in enumerate(r.tools):
+        if runs_untrusted_code(BUILTIN_TOOLS.get(spec.function)) and spec.sandbox == "none":
             out.append(f"rollout.tools[{i}].sandbox=none: {spec.function} runs model-written code as your user, "
                        "with your files, processes and network")
     if r.dynamic_sampling and r.max_sampling_rounds == 1:

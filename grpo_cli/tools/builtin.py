@@ -168,6 +168,13 @@ def python_unsandboxed(code: str) -> str:
 
 
 python.untrusted_code = True  # type: ignore[attr-defined]  # load_tools: needs the sandbox, or `sandbox: none`
+
+
+def runs_untrusted_code(fn: ToolFn | None) -> bool:
+    """A tool that runs model-written code: it says so with `untrusted_code = True` (the built-in python does)."""
+    return bool(getattr(fn, "untrusted_code", False))
+
+
 UNSANDBOXED_TOOLS: dict[str, ToolFn] = {"python": python_unsandboxed}  # what `sandbox: none` runs instead
 
 

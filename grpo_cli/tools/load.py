@@ -19,7 +19,7 @@ import grpo_cli.tools.sandbox as sandbox
 from grpo_cli.errors import UsageError
 from grpo_cli.rewards.load import import_function
 from grpo_cli.rewards.worker import RewardWorker, call_in_process
-from grpo_cli.tools.builtin import BUILTIN_TOOLS, UNSANDBOXED_TOOLS, ToolFn
+from grpo_cli.tools.builtin import BUILTIN_TOOLS, UNSANDBOXED_TOOLS, ToolFn, runs_untrusted_code
 from grpo_cli.tools.chat import tool_schema
 from grpo_cli.tools.environment import load_environment
 
@@ -60,7 +60,7 @@ def _sandboxed(fn: ToolFn, spec: Any, where: str) -> ToolFn:
     """A tool that runs model-written code (it says so with `untrusted_code = True`, as the built-in python does)
     runs it in the sandbox, which must be makeable here; `sandbox: none` is the built-in's unsandboxed twin,
     with a warning. Fails closed, naming the key."""
-    if not getattr(fn, "untrusted_code", False):
+    if not runs_untrusted_code(fn):
         if spec.sandbox == "none":
             raise UsageError(f"{where}.sandbox: none applies to a tool that runs model-written code (the built-in "
                              f"python); '{spec.function}' declares none")

@@ -60,8 +60,10 @@ def _prefixes() -> list[str]:
     return [] if prefix == "/usr" or prefix.startswith("/usr/") else [prefix]
 
 
-def bwrap_argv(argv: list[str]) -> list[str]:
-    """The bwrap command line that runs `argv` in the sandbox (argv[0]: an absolute path inside it)."""
+@functools.cache
+def _binds() -> tuple[str, ...]:
+    """The read-only view of the host: /usr, its merged-/usr links, the loader's cache, the interpreter's prefix
+    (the same for every call of this process)."""
     binds = ["--ro-bind", "/usr", "/usr"]
     for top in ("bin", "lib", "lib64", "sbin"):  # merged-/usr systems have these as links into /usr
         host = Path("/") / top
@@ -72,9 +74,14 @@ def bwrap_argv(argv: list[str]) -> list[str]:
     binds += ["--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache"]
     for path in _prefixes():
         binds += ["--ro-bind", path, path]
+    return tuple(binds)
+
+
+def bwrap_argv(argv: list[str]) -> list[str]:
+    """The bwrap command line that runs `argv` in the sandbox (argv[0]: an absolute path inside it)."""
     env = [arg for k, v in INSIDE_ENV.items() for arg in ("--setenv", k, v)]
     return [shutil.which("bwrap") or "bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
-            "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--hostname", "sandbox", *binds,
+            "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--hostname", "sandbox", *_binds(),
             "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--dir", "/scratch", "--chdir", "/scratch",
             "--clearenv", *env, "--", *argv]
 
@@ -113,24 +120,30 @@ def _remove_orphans(parent: Path) -> None:
                 pass
 
 
+@functools.cache
+def _cgroup_parents() -> tuple[int, tuple[Path, ...]]:
+    """(cgroup version, the folders the calls' cgroups go in), read once per process: v2 (one folder with memory
+    and pids) where this process's cgroup delegates both controllers, else v1 (its memory and pids folders)."""
+    own = _own_cgroups()
+    mount = _v2_mount()
+    parent = mount / own.get("", "/").lstrip("/") if mount is not None else None
+    if parent is not None and {"memory", "pids"} <= set((parent / "cgroup.subtree_control").read_text().split()
+                                                         if (parent / "cgroup.subtree_control").exists() else []):
+        return 2, (parent,)
+    if (CGROUP_FS / "memory").is_dir() and (CGROUP_FS / "pids").is_dir() and "memory" in own and "pids" in own:
+        return 1, tuple(CGROUP_FS / c / own[c].lstrip("/") for c in ("memory", "pids"))
+    raise OSError("no cgroup with the memory and pids controllers that this process may create (cgroup v2 "
+                  "needs them delegated, e.g. a systemd scope with Delegate=yes)")
+
+
 class CallGroup:
-    """The cgroup(s) of one call: v2 (one folder with memory and pids) where this process may create one with
-    both controllers, else v1 (a folder in the memory and in the pids hierarchy)."""
+    """The cgroup(s) of one call, under _cgroup_parents(): one folder (v2), or one in the memory and one in the
+    pids hierarchy (v1)."""
 
     def __init__(self, limits: Limits):
         name = f"grpo-sandbox-{os.getpid()}-{time.monotonic_ns()}"
-        own = _own_cgroups()
-        mount = _v2_mount()
-        parent = mount / own.get("", "/").lstrip("/") if mount is not None else None
-        if parent is not None and {"memory", "pids"} <= set((parent / "cgroup.subtree_control").read_text().split()
-                                                             if (parent / "cgroup.subtree_control").exists() else []):
-            self.version, self.dirs = 2, [parent / name]
-        elif (CGROUP_FS / "memory").is_dir() and (CGROUP_FS / "pids").is_dir() and "memory" in own and "pids" in own:
-            self.version = 1
-            self.dirs = [CGROUP_FS / c / own[c].lstrip("/") / name for c in ("memory", "pids")]
-        else:
-            raise OSError("no cgroup with the memory and pids controllers that this process may create (cgroup v2 "
-                          "needs them delegated, e.g. a systemd scope with Delegate=yes)")
+        self.version, parents = _cgroup_parents()
+        self.dirs = [parent / name for parent in parents]
         for d in self.dirs:
             _remove_orphans(d.parent)
             d.mkdir()  # PermissionError / OSError: the caller reports it

@@ -130,7 +130,11 @@ def tool_lines(cfg: TrainConfig) -> list[str]:
     return [f"tools: {tools}; results between {r.tool_result_tags[0]!r} and {r.tool_result_tags[1]!r}", *env_line,
             f"tool budgets per trajectory: <= {r.max_turns} model turns of <= {r.max_new_tokens} tokens, "
             f"<= {r.max_tool_calls} calls, <= {r.max_tool_result_tokens} tokens per result, <= {r.trajectory_tokens} "
-            "tokens after the prompt (rollout.max_trajectory_tokens); tool replies are attended but leave the loss"]
+            "tokens after the prompt (rollout.max_trajectory_tokens); tool replies are attended but leave the loss",
+            f"tool calls: up to {r.tool_workers} at once beside decoding (rollout.tool_workers); "
+            + (f"{r.tool_budget_s:g} s of tool time per step (rollout.tool_budget_s)" if r.tool_budget_s else
+               "no tool time budget per step")
+            + f"; a trajectory is cut at {r.max_tool_timeouts} calls out of time (rollout.max_tool_timeouts)"]
 
 
 def sandbox_lines(cfg: TrainConfig) -> list[str]:

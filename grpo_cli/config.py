@@ -7,6 +7,7 @@ dataclasses before any model, torch or vLLM import. Only this module and
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -159,6 +160,9 @@ class RolloutConfig:
     max_tool_calls: int = 3  # tools: tool calls per trajectory
     max_tool_result_tokens: int = 32  # tools: tokens of one tool result; a longer one is cut
     max_trajectory_tokens: int | None = None  # tools: tokens after the prompt, model's and tools' together; None = max_new_tokens x max_turns
+    tool_workers: int = 16  # tools: calls run at once, off the decoding loop (a tool with timeout_s: a worker process per slot; docs/tools.md)
+    tool_budget_s: float | None = 120.0  # tools: wall seconds with a call running, per generate call (a step's sampling, an evaluation); then calls fail at once; None = no budget
+    max_tool_timeouts: int = 2  # tools: a trajectory whose calls time out (or meet the spent budget) this many times is cut
 
     @property
     def multi_turn(self) -> bool:
@@ -216,6 +220,10 @@ class RolloutConfig:
                      "turns (the call, then the model reading its result)")
             _require(self.max_tool_calls >= 1, "rollout.max_tool_calls", "must be >= 1 with tools")
             _require(self.max_tool_result_tokens >= 1, "rollout.max_tool_result_tokens", "must be >= 1")
+            _require(self.tool_workers >= 1, "rollout.tool_workers", "must be >= 1")
+            _require(self.tool_budget_s is None or (math.isfinite(self.tool_budget_s) and self.tool_budget_s > 0),
+                     "rollout.tool_budget_s", f"{self.tool_budget_s} must be > 0 seconds, or null for no budget")
+            _require(self.max_tool_timeouts >= 1, "rollout.max_tool_timeouts", "must be >= 1")
             _require(self.max_trajectory_tokens is None or self.max_trajectory_tokens >= self.max_new_tokens,
                      "rollout.max_trajectory_tokens", f"{self.max_trajectory_tokens} is below rollout.max_new_tokens="
                      f"{self.max_new_tokens}, the first turn's cap")

@@ -1,7 +1,9 @@
-"""Benchmark: a multi-turn tool step against a single-turn step on the default workload.
+"""Benchmark: a multi-turn tool step against a single-turn step on the default workload; and, with
+--concurrency, the tool task's step with slow and hanging tools (tools off the decoding loop, issue 36).
 
     python scripts/bench_tools.py                  # 20 steps each (about 4 minutes on 2 cores)
     python scripts/bench_tools.py --steps 10 --out tools.json
+    python scripts/bench_tools.py --concurrency --steps 8   # about 5 minutes on 2 cores
 
 Runs `grpo train recipe=bike_pricing` twice in subprocesses, one after the other (nothing else
 shares the CPU): as shipped, and with the calculator as a tool the shipped model already "calls"
@@ -13,17 +15,27 @@ seconds per step and per phase (medians), the model's tokens per step, seconds o
 
 The figure the tools design aims at (docs/tools.md): the tool step's generation time per model
 token at most 1.25x the single-turn step's. No assertion on timings: a measuring tool, not a test.
+
+--concurrency runs `grpo train recipe=bike_pricing_tools` three times: with its calculator as shipped
+(in process); with `sleepy_calculator` below, which sleeps 2 s first on one call in ten (the argument's
+CRC-32 decides, so the same calls sleep in every run) in its workers; and with `always_late`, which
+sleeps past its 1 s limit on every call, under a 5 s tool budget per step. It prints seconds per step
+(median over steps 2..STEPS) and the logged tool time, timeouts, budget cuts and cut trajectories.
+The targets (docs/tools.md): the sleepy step at most 2 s + 1.3x the plain step; the hanging tool's
+step within the budget plus the plain step.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import zlib
 from pathlib import Path
 
 PHASES = ("generate", "reward", "logprobs", "update", "push")
@@ -31,17 +43,74 @@ SUBTOTAL_TOOL = ["rollout.tools=[{function:calculator,open:'subtotal: ',close:' 
                  "rollout.tool_result_tags=['','']", "rollout.max_turns=3", "rollout.max_trajectory_tokens=200"]
 
 
-def timed_rows(name: str, steps: int, out_dir: Path, extra: list[str]) -> list[dict]:
-    """`grpo train recipe=bike_pricing` for `steps` steps (no evaluation after step 0, no checkpoint, no push
+# The concurrency runs' tools (imported by name from this file: scripts/ is put on the trainer's path)
+CALC = "rollout.tools=[{{function:'{}',open:'<calc>',close:'</calc>',timeout_s:{}}}]"
+CONCURRENCY = {
+    "calculator": [CALC.format("calculator", "null")],
+    "sleepy 1 in 10": [CALC.format("bench_tools:sleepy_calculator", 10)],
+    "always late": [CALC.format("bench_tools:always_late", 1), "rollout.tool_budget_s=5"],
+}
+
+
+def sleepy_calculator(expression: str) -> str:
+    """The calculator, 2 s late on the tenth of its arguments whose CRC-32 is 0 mod 10."""
+    from grpo_cli.tools.builtin import calculator
+
+    if zlib.crc32(expression.encode()) % 10 == 0:
+        time.sleep(2.0)
+    return calculator(expression)
+
+
+def always_late(expression: str) -> str:
+    time.sleep(60)
+    return "late"
+
+
+def timed_rows(name: str, steps: int, out_dir: Path, extra: list[str], recipe: str = "bike_pricing") -> list[dict]:
+    """`grpo train recipe=RECIPE` for `steps` steps (no evaluation after step 0, no checkpoint, no push
     check) with `extra`, in a subprocess; its logged rows of steps 2.. (step 1 pays for first-call set-up).
     bench_lora.py uses it too."""
-    cmd = [sys.executable, "-m", "grpo_cli", "train", "recipe=bike_pricing", f"trainer.steps={steps}", "eval.every=0",
+    cmd = [sys.executable, "-m", "grpo_cli", "train", f"recipe={recipe}", f"trainer.steps={steps}", "eval.every=0",
            "eval.num_problems=8", "checkpoint.every=0", "rollout.push_check_every=0", f"output_dir={out_dir}", *extra]
-    done = subprocess.run(cmd, capture_output=True, text=True)
+    scripts = str(Path(__file__).resolve().parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [scripts, os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if done.returncode != 0:
         sys.exit(f"{name} failed:\n{done.stderr[-3000:]}")
-    rows = [json.loads(line) for line in next(out_dir.glob("bike_pricing/*/metrics.jsonl")).read_text().splitlines()]
+    rows = [json.loads(line) for line in next(out_dir.glob(f"{recipe}/*/metrics.jsonl")).read_text().splitlines()]
     return [r for r in rows if r["step"] >= 2 and "time/step" in r]
+
+
+def concurrency(steps: int, only: str | None = None, overrides: list[str] = ()) -> list[dict]:
+    results = []
+    for name, extra in CONCURRENCY.items():
+        if only and not name.startswith(only):
+            continue
+        with tempfile.TemporaryDirectory() as tmp:
+            rows = timed_rows(name, steps, Path(tmp), [*extra, *overrides], recipe="bike_pricing_tools")
+        mean = {k: statistics.mean(r.get(k, 0.0) for r in rows) for k in
+                ("time/tools", "time/tool_wait_max", "tools/calls_per_sample", "tools/timeouts_per_sample", "tools/budget_cuts_per_sample",
+                 "tools/capped/tool_timeouts", "reward/mean")}
+        results.append({"run": name, "s_per_step": statistics.median(r["time/step"] for r in rows),
+                        # the step less the longest any one trajectory waited on its own calls: what overlap can save
+                        "s_per_step_less_wait": statistics.median(r["time/step"] - r.get("time/tool_wait_max", 0.0)
+                                                                  for r in rows),
+                        "generate_s": statistics.median(r["time/generate"] for r in rows),
+                        "max_s_per_step": max(r["time/step"] for r in rows), **mean})
+        r = results[-1]
+        print(f"{name:15s} {r['s_per_step']:.2f} s/step (max {r['max_s_per_step']:.2f}, generate {r['generate_s']:.2f})"
+              f" | tool time {r['time/tools']:.2f} s, longest wait of one trajectory {r['time/tool_wait_max']:.2f} s, "
+              f"step less it {r['s_per_step_less_wait']:.2f} s | calls {r['tools/calls_per_sample']:.2f}/sample, timeouts "
+              f"{r['tools/timeouts_per_sample']:.2f}, budget cuts {r['tools/budget_cuts_per_sample']:.2f}, cut "
+              f"trajectories {r['tools/capped/tool_timeouts']:.2f} | reward {r['reward/mean']:.3f}", flush=True)
+    if len(results) < len(CONCURRENCY):
+        return results
+    plain = results[0]["s_per_step"]
+    print(f"sleepy: {results[1]['s_per_step']:.2f} s/step against the target 2 + 1.3 x {plain:.2f} = "
+          f"{2 + 1.3 * plain:.2f} s (a trajectory whose calls sleep twice waits 4 s itself: less its own wait, "
+          f"{results[1]['s_per_step_less_wait']:.2f} s against 1.3 x {plain:.2f} = {1.3 * plain:.2f}); always late: {results[2]['max_s_per_step']:.2f} s at most, budget 5 s + "
+          f"{plain:.2f} s")
+    return results
 
 
 def run(name: str, steps: int, out_dir: Path, extra: list[str]) -> dict:
@@ -68,7 +137,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
+    parser.add_argument("--concurrency", action="store_true", help="the tool task with slow and hanging tools")
+    parser.add_argument("--only", default=None, help="--concurrency: only this run (calculator, sleepy, late)")
+    parser.add_argument("--set", nargs="*", default=[], help="--concurrency: overrides for every run, e.g. "
+                        "rollout.tool_workers=8")
     args = parser.parse_args()
+    if args.concurrency:
+        results = concurrency(args.steps, args.only, args.set)
+        if args.out:
+            args.out.write_text(json.dumps(results, indent=2))
+        return
     results = []
     for name, extra in (("single-turn", []), ("tools", SUBTOTAL_TOOL)):
         with tempfile.TemporaryDirectory() as tmp:

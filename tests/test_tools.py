@@ -8,6 +8,7 @@ The hostile tools below run in real spawned worker processes (imported there by 
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 from pathlib import Path
@@ -19,7 +20,7 @@ from grpo_cli.engines.base import Completion, Rollouts, Sampling
 from grpo_cli.engines.tools import ToolCaps, ToolEngine, cut_at_stop, with_tools
 from grpo_cli.errors import UsageError
 from grpo_cli.tools import TagFormat, ToolFailed, calculator, load_tools
-from grpo_cli.tools.load import MAX_RESULT_CHARS, call_tool
+from grpo_cli.tools.load import MAX_RESULT_CHARS, call_tool, close_tools
 from grpo_cli.tools.metrics import tool_metrics
 
 
@@ -151,6 +152,9 @@ def test_unsandboxed_python_leaves_nothing_of_its_group_running_behind_it(tmp_pa
     ({"max_trajectory_tokens": 8}, "rollout.max_trajectory_tokens: 8 is below rollout.max_new_tokens=64"),
     ({"tensor_parallel_size": 2}, "rollout.tensor_parallel_size: tools run on each rank"),
     ({"tool_result_tags": ["<r>"]}, "rollout.tool_result_tags: has 1 strings"),
+    ({"tool_workers": 0}, "rollout.tool_workers: must be >= 1"),
+    ({"tool_budget_s": float("inf")}, "rollout.tool_budget_s: inf must be > 0 seconds, or null"),
+    ({"max_tool_timeouts": 0}, "rollout.max_tool_timeouts: must be >= 1"),
 ])
 def test_tool_settings_that_cannot_work_are_refused(overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -164,14 +168,14 @@ def test_tools_that_raise_hang_or_flood_give_the_model_a_short_error_and_the_run
         ToolSpec(function="test_tools:upper", timeout_s=None)])
     started = time.monotonic()
     late = call_tool(slow, "1")
-    assert not late.ok and "timed out after 1 s" in late.text
+    assert not late.ok and "timed out after 1 s" in late.text and late.failure == "timeout"
     assert time.monotonic() - started < 10  # the worker's start (imports) plus the 1 s limit, not 60 s
     raised = call_tool(boom, "x")
     assert not raised.ok and raised.text.startswith("error: the tool RuntimeError: cannot handle x")
     big = call_tool(flood, "x")
     assert big.ok and len(big.text) == MAX_RESULT_CHARS
-    assert call_tool(junk, "x") == ("error: the tool returned dict, not text", False)
-    assert call_tool(fine, "abc") == ("ABC", True)  # in process, no worker
+    assert call_tool(junk, "x") == ("error: the tool returned dict, not text", False, None)
+    assert call_tool(fine, "abc") == ("ABC", True, None)  # in process, no worker
     assert call_tool(slow, "again").ok is False  # a fresh worker after the kill, killed again
     for tool in (slow, boom, flood, junk):
         tool.worker.close()
@@ -371,6 +375,8 @@ def test_grpo_check_prints_the_environment_and_train_refuses_a_bad_one_before_lo
     assert checked.returncode == 0, checked.stdout + checked.stderr
     assert "environment: test_tools:Ledger, one instance per sample built from its row; its public methods are tools " \
            "(tags: subtotal subtotal: ...)" in checked.stdout
+    assert "tool calls: up to 16 at once beside decoding (rollout.tool_workers); 120 s of tool time per step" \
+           in " ".join(checked.stdout.split())
     refused = cli("train", "recipe=bike_pricing", "rollout.environment.cls=test_tools:NoTools")
     assert refused.returncode == 2 and "test_tools:NoTools has no public method" in refused.stderr
     assert "vLLM" not in refused.stdout + refused.stderr  # refused at the edge: no engine started
@@ -437,15 +443,18 @@ class ScriptedEngine:
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"][: sampling.max_new_tokens]
         return Rollouts(prompt_ids, [[ids]], [[[-1.0] * len(ids)]], [[text]], [[len(ids) == sampling.max_new_tokens]])
 
-    def generate_each(self, requests, on_finish):
-        """Round by round, as the transformers engine runs them: each request's text, then the ones it leads to."""
-        while requests:
+    def generate_each(self, requests, on_finish, replies=None):
+        """Round by round, as the transformers engine runs them: each request's text, then the ones it leads to
+        (those the tool calls give back included)."""
+        while requests or (replies is not None and replies.waiting()):
             follow = []
             for r in requests:
                 out = self.generate([r.prompt_ids], r.sampling, [r.seed])
                 done = Completion(out.completion_ids[0][0], out.sampling_logprobs[0][0], out.truncated[0][0])
                 if (nxt := on_finish(r.key, done)) is not None:
                     follow.append(nxt)
+            if replies is not None:
+                follow += replies.take(block=not follow)
             requests = follow
 
 
@@ -810,3 +819,192 @@ def test_a_cut_chat_result_is_plain_text_between_the_templates_own_tokens():
     cut, text = reply_ids(tokenizer, fmt, injected, 5, added)
     assert cut == own[0] + plain_ids(tokenizer, injected, added)[:5] + own[1]
     assert injected.startswith(text) and len(text) < len(injected)
+
+
+# ------------------------------------------------------------------ tool calls off the decoding loop
+
+
+def waits_for_the_mark(argument):  # returns once `marks` has been called 3 times (its file exists), or gives up
+    mark = Path(os.environ["GRPO_TEST_MARK"])
+    deadline = time.monotonic() + 20
+    while not mark.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return "released" if mark.exists() else "never released"
+
+
+def marks(argument):  # in process: the third call writes the file `waits_for_the_mark` waits for
+    mark = Path(os.environ["GRPO_TEST_MARK"])
+    count = int(mark.with_suffix(".count").read_text()) + 1 if mark.with_suffix(".count").exists() else 1
+    mark.with_suffix(".count").write_text(str(count))
+    if count == 3:
+        mark.write_text("go")
+    return str(count)
+
+
+def sleepy_calculator(expression):  # the calculator, 1 s late on a fixed half of its arguments
+    import zlib
+
+    if zlib.crc32(expression.encode()) % 2 == 0:
+        time.sleep(1.0)
+    return calculator(expression)
+
+
+class ScriptedGroup(ScriptedEngine):
+    """One prompt, several samples: sample g writes scripts[g][i] at its i-th engine call."""
+
+    def __init__(self, tokenizer, scripts):
+        super().__init__(tokenizer, [])
+        self.scripts, self.counts = scripts, [0] * len(scripts)
+
+    def generate(self, prompt_ids, sampling, seeds, rows=None):
+        raise AssertionError("the tool loop samples through generate_each")
+
+    def generate_each(self, requests, on_finish, replies=None):
+        while requests or (replies is not None and replies.waiting()):
+            follow = []
+            for r in requests:
+                g = r.key[1]
+                text = self.scripts[g][self.counts[g]]
+                self.counts[g] += 1
+                ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+                if (nxt := on_finish(r.key, Completion(ids, [-1.0] * len(ids), False))) is not None:
+                    follow.append(nxt)
+            if replies is not None:
+                follow += replies.take(block=not follow)
+            requests = follow
+
+
+def run_group(tokenizer, scripts, specs, caps):
+    tools = load_tools(specs)
+    fmt = TagFormat(tuple((t.name, t.open, t.close) for t in tools))
+    engine = ToolEngine(ScriptedGroup(tokenizer, scripts), tools, fmt, caps)
+    return engine.generate([tokenizer("Q:", add_special_tokens=False)["input_ids"]],
+                           Sampling(len(scripts), 1.0, 1.0, 48), [7])
+
+
+def test_the_others_go_on_while_a_call_runs(tokenizer, tmp_path, monkeypatch):
+    """Sample 0's call returns only after sample 1 has called three times: run inside the loop, as before issue
+    36, it would hold every other sample until its own 20 s ran out."""
+    monkeypatch.setenv("GRPO_TEST_MARK", str(tmp_path / "mark"))
+    started = time.monotonic()
+    out = run_group(tokenizer, [["<wait>now</wait>", "\nAnswer: 1"],
+                                ["<mark>a</mark>", "<mark>b</mark>", "<mark>c</mark>", "\nAnswer: 2"]],
+                    [ToolSpec(function="test_tools:waits_for_the_mark", open="<wait>", close="</wait>", timeout_s=30),
+                     ToolSpec(function="test_tools:marks", open="<mark>", close="</mark>", timeout_s=None)],
+                    CAPS._replace(max_turns=5, max_tool_calls=4))
+    waited, marked = out.tool_calls()
+    assert waited == [{"tool": "test_tools:waits_for_the_mark", "argument": "now", "result": "released", "ok": True}]
+    assert [c["result"] for c in marked] == ["1", "2", "3"]
+    assert out.capped == [[None, None]] and time.monotonic() - started < 20
+
+
+def test_a_trajectory_whose_calls_keep_timing_out_is_cut(tokenizer):
+    out = run_group(tokenizer, [["<slow>1</slow>", "<slow>2</slow>", "<slow>3</slow>", "never"]],
+                    [ToolSpec(function="test_tools:sleeps", open="<slow>", close="</slow>", timeout_s=1.0)],
+                    CAPS._replace(max_turns=5, max_tool_calls=4, max_tool_timeouts=2))
+    calls = [s for s in out.segments[0][0] if s["role"] == "tool"]
+    assert [c["failure"] for c in calls] == ["timeout", "timeout"] and all(c["seconds"] >= 1 for c in calls)
+    assert out.capped == [["tool_timeouts"]] and out.truncated == [[True]]
+    metrics = tool_metrics(out)
+    assert metrics["tools/timeouts_per_sample"] == 2 and metrics["tools/capped/tool_timeouts"] == 1
+    assert metrics["time/tool_calls"] >= 2 and metrics["time/tools"] >= 2
+
+
+def test_the_step_tool_budget_cuts_running_calls_and_fails_the_rest_at_once():
+    """A tool that sleeps 60 s (limit 30 s): with a 2 s budget per generate call, the calls running when it is
+    spent are killed then, and later ones fail without running."""
+    from grpo_cli.tools.pool import StepCalls, ToolPool
+
+    (slow,) = load_tools([ToolSpec(function="test_tools:sleeps", timeout_s=30.0)])
+    calls, started = StepCalls(ToolPool(2), budget_s=2.0), time.monotonic()
+    for key in range(3):
+        calls.submit(key, slow, "x")
+    done = []
+    while calls.waiting:
+        done += calls.take(block=True)
+    calls.submit(9, slow, "after")
+    done += calls.take(block=True)
+    assert time.monotonic() - started < 20  # the budget (plus the workers' start), not 30 s per call
+    assert sorted(d.key for d in done) == [0, 1, 2, 9]
+    assert all(d.result.failure == "budget" and not d.result.ok for d in done)
+    assert "spent" in next(d for d in done if d.key == 9).result.text and calls.budget_cuts == 4
+    assert 2.0 <= calls.tool_seconds < 20
+    for worker in [slow.worker, *slow.spares]:
+        worker.close()
+
+
+def test_on_vllm_slow_calls_leave_the_other_samples_decoding_and_change_no_sample(vllm_engine, bike_splits):
+    """The subtotal task on the real engine, its calculator 1 s late on half of its arguments: the
+    trajectories are those of the prompt calculator (the replies join as they come), and the slow calls ran
+    side by side."""
+    from grpo_cli.config import DataConfig
+    from grpo_cli.prompts import render_row
+
+    tokenizer = vllm_engine.tokenizer
+    prompts = [tokenizer(render_row(problem.to_row(), DataConfig(), tokenizer, None), add_special_tokens=False)
+               ["input_ids"] for problem in bike_splits[0][:4]]
+    sampling, seeds = Sampling(4, 1.0, 1.0, 96), [21, 22, 23, 24]
+    rollout = RolloutConfig(tools=[ToolSpec(function="calculator")], max_new_tokens=96, max_turns=3,
+                            max_trajectory_tokens=200, tool_result_tags=["", ""])
+
+    def sample(function, timeout_s):
+        tools = load_tools([ToolSpec(function=function, open="subtotal: ", close=" = ", timeout_s=timeout_s)])
+        try:
+            return with_tools(vllm_engine, tools, rollout).generate(prompts, sampling, seeds)
+        finally:
+            close_tools(tools)
+
+    prompt = sample("calculator", None)
+    slow = sample("test_tools:sleepy_calculator", 10.0)
+    late = [s for group in slow.segments for segments in group for s in segments
+            if s["role"] == "tool" and s["seconds"] >= 1.0]
+    assert len(late) >= 2 and tool_metrics(slow)["tools/calls_per_sample"] > 0.5
+    assert slow.completion_ids == prompt.completion_ids and slow.texts == prompt.texts
+    assert tool_metrics(slow)["time/tools"] < sum(s["seconds"] for s in late)  # they overlapped
+
+
+# ------------------------------------------------------------------ a generate that fails half-way
+
+
+class Broken(ToolEngine):
+    """Fails in the middle of the loop (what a bug, a Ctrl-C or a dead rank's collective does), after `after`
+    turns have been absorbed."""
+
+    after = 3
+
+    def _absorb(self, t, ids, logprobs, truncated, turn_cap):
+        Broken.after -= 1
+        if Broken.after < 0:
+            raise RuntimeError("half-way")
+        return super()._absorb(t, ids, logprobs, truncated, turn_cap)
+
+
+def test_a_generate_that_fails_half_way_leaves_no_request_in_the_engine(vllm_engine, bike_splits):
+    from grpo_cli.config import DataConfig
+    from grpo_cli.prompts import render_row
+
+    tokenizer = vllm_engine.tokenizer
+    prompts = [tokenizer(render_row(problem.to_row(), DataConfig(), tokenizer, None), add_special_tokens=False)
+               ["input_ids"] for problem in bike_splits[0][:2]]
+    tools = load_tools([ToolSpec(function="calculator", open="subtotal: ", close=" = ", timeout_s=None)])
+    fmt = TagFormat((("calculator", "subtotal: ", " = "),), "", "")
+    Broken.after = 3
+    with pytest.raises(RuntimeError, match="half-way"):
+        Broken(vllm_engine, tools, fmt, CAPS).generate(prompts, Sampling(4, 1.0, 1.0, 96), [5, 6])
+    assert not vllm_engine.llm.llm_engine.has_unfinished_requests()  # before issue 36 the others stayed in it
+    again = vllm_engine.generate(prompts, Sampling(2, 1.0, 1.0, 32), [5, 6])  # and the next generate is clean
+    assert [len(group) for group in again.completion_ids] == [2, 2]
+
+
+def test_a_generate_that_fails_half_way_drops_its_instances_in_the_environments_worker(tokenizer):
+    from grpo_cli.tools.environment import FORGET
+
+    engine = ScriptedEngine(tokenizer, [" a <subtotal>3*18</subtotal>", "never"])
+    tools = load_tools([], "tags", environment("Ledger", timeout_s=5.0))
+    env = tools[0].environment
+    Broken.after = 1  # the first turn's call runs in the worker (its instance built), the second turn fails
+    with pytest.raises(RuntimeError, match="half-way"):
+        Broken(engine, tools, TagFormat(tuple((t.name, t.open, t.close) for t in tools), "<result>", "</result>"),
+               CAPS).generate([[1]], Sampling(1, 1.0, 1.0, 48), [7], [{"answer": "1", "question": "Q"}])
+    assert env.worker.call([(FORGET, [])], {}) == ("ok", [0])  # the worker holds no instance of it
+    env.close()

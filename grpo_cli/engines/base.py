@@ -31,9 +31,10 @@ class Rollouts:
     segments: list[list[list[dict]]] = field(default_factory=list)  # [P][G] the turns: {"role": "model"|"tool", "text", ...}
     capped: list[list[str | None]] = field(default_factory=list)  # [P][G] the tool-run cap that stopped it, or None
     environments: list[list[Any]] = field(default_factory=list)  # [P][G] with rollout.environment: its EnvironmentEnd
+    tool_seconds: list[float] = field(default_factory=list)  # one per engine share of a tool run: wall s with a call running
 
     FIELDS = ("prompt_ids", "completion_ids", "sampling_logprobs", "texts", "truncated", "model_mask", "segments",
-              "capped", "environments")
+              "capped", "environments", "tool_seconds")
 
     @property
     def num_tokens(self) -> int:
@@ -93,6 +94,18 @@ class Request(NamedTuple):
     seed: int
 
 
+class Replies(Protocol):
+    """Continuations that arrive after `on_finish` returned: a trajectory whose tool call ran off the engine
+    loop (tools.pool), its reply appended. `generate_each` takes them between engine steps."""
+
+    def waiting(self) -> int:
+        """Continuations still to come (calls running or queued, or finished and not taken)."""
+
+    def take(self, block: bool) -> list[Request]:
+        """Those ready now (after a short wait for the calls of the last engine step); with `block`, at least one
+        unless none is waiting."""
+
+
 class Completion(NamedTuple):
     ids: list[int]  # the sampled token ids
     logprobs: list[float]  # each one's sampling logprob
@@ -129,9 +142,11 @@ class Engine(Protocol):
         """Begin sampling this engine's share; the returned call gives (the share, the sampling's seconds). An
         engine of another process has started when this returns; one of this process samples in the call."""
 
-    def generate_each(self, requests: list[Request], on_finish: Callable[[Any, Completion], Request | None]) -> None:
+    def generate_each(self, requests: list[Request], on_finish: Callable[[Any, Completion], Request | None],
+                      replies: Replies | None = None) -> None:
         """Sample each request (n = 1, its own seed) and hand each completion to `on_finish`; the request it
-        returns (a tool's reply appended) is sampled next. The multi-turn tool loop's turns."""
+        returns, and those `replies` gives back later (a tool's reply appended), are sampled next, until none
+        runs and none is waiting. The multi-turn tool loop's turns."""
 
     def push_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
         """The trainer's checkpoint-format tensors, in place of the engine's."""
@@ -234,8 +249,9 @@ class DelegatingEngine:
             return timed_share(self, prompt_ids, sampling, seeds, rows)
         return self.engine.start_generate(prompt_ids, sampling, seeds, rows)
 
-    def generate_each(self, requests: list[Request], on_finish: Callable[[Any, Completion], Request | None]) -> None:
-        self.engine.generate_each(requests, on_finish)
+    def generate_each(self, requests: list[Request], on_finish: Callable[[Any, Completion], Request | None],
+                      replies: Replies | None = None) -> None:
+        self.engine.generate_each(requests, on_finish, replies)
 
     def push_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
         self.engine.push_weights(named_tensors)

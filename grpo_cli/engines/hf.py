@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from grpo_cli.dist.shard import gathered, run_pass
-from grpo_cli.engines.base import Completion, LeafEngine, Request, Rollouts, Sampling
+from grpo_cli.engines.base import Completion, LeafEngine, Replies, Request, Rollouts, Sampling
 from grpo_cli.errors import UsageError
 
 
@@ -72,17 +72,21 @@ class HFEngine(LeafEngine):
         self.policy.train(was_training)
         return Rollouts(prompt_ids, completion_ids, logprobs, texts, truncated)
 
-    def generate_each(self, requests: list[Request], on_finish: Callable[[Any, Completion], Request | None]) -> None:
+    def generate_each(self, requests: list[Request], on_finish: Callable[[Any, Completion], Request | None],
+                      replies: Replies | None = None) -> None:
         """In rounds: each request of a round sampled on its own (n = 1, its seed), its completion handed to
-        `on_finish`; the requests those return make the next round. One gather of a sharded policy for all."""
+        `on_finish`; the requests those return, and those `replies` gives back (tool replies, waited for only
+        when nothing else is left to sample), make the next round. One gather of a sharded policy for all."""
         with gathered(self.policy):
-            while requests:
+            while requests or (replies is not None and replies.waiting()):
                 follow = []
                 for request in requests:
                     out = self._generate([request.prompt_ids], request.sampling._replace(n=1), [request.seed])
                     done = Completion(out.completion_ids[0][0], out.sampling_logprobs[0][0], out.truncated[0][0])
                     if (nxt := on_finish(request.key, done)) is not None:
                         follow.append(nxt)
+                if replies is not None:
+                    follow += replies.take(block=not follow)
                 requests = follow
 
     def push_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from grpo_cli.dist.channel import Channel
-from grpo_cli.engines.base import Completion, LeafEngine, Request, Rollouts, Sampling
+from grpo_cli.engines.base import Completion, LeafEngine, Replies, Request, Rollouts, Sampling
 from grpo_cli.errors import RunFailure
 
 if TYPE_CHECKING:
@@ -56,7 +56,8 @@ class RemoteEngine(LeafEngine):
         self.channel.send(("generate_timed", (prompt_ids, sampling, seeds, rows)))
         return lambda: self._answer("generate")
 
-    def generate_each(self, requests: list[Request], on_finish: Callable[[Any, Completion], Request | None]) -> None:
+    def generate_each(self, requests: list[Request], on_finish: Callable[[Any, Completion], Request | None],
+                      replies: Replies | None = None) -> None:
         """The tool loop runs on the generator rank, around its own engine: its requests never cross the channel."""
         raise RuntimeError("generate_each of a split job's engine: the generator rank runs the tool loop itself")
 

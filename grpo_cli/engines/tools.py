@@ -5,9 +5,10 @@ step, held-out evaluation and `grpo eval` run the same loop. Its `generate` adva
 the call together, with no barrier per turn on vLLM:
 
     every sample is a request (n = 1; sample g of prompt p seeded seeds[p] + g, as inside an n = G
-    request), stopping at any tool's close string; as each request stops, its tool runs, the reply is
-    tokenized once and appended, and the continuation (prompt + its ids so far, seeded per (prompt
-    seed, sample, request number)) joins the running batch (Engine.generate_each)
+    request), stopping at any tool's close string; as each request stops, its call goes to the tool
+    pool (grpo_cli.tools.pool) while the others decode on; when it returns, the reply is tokenized once
+    and appended, and the continuation (prompt + its ids so far, seeded per (prompt seed, sample,
+    request number)) joins the running batch (Engine.generate_each)
 
 The transformers engine runs the same requests in rounds (HFEngine.generate_each).
 
@@ -20,8 +21,10 @@ resumed run samples the same trajectories, and a sample that never calls a tool 
 sample.
 
 Caps (rollout.*): `max_new_tokens` per model turn, `max_turns` model turns, `max_tool_calls` calls,
-`max_tool_result_tokens` per result, `max_trajectory_tokens` for the whole sequence after the prompt.
-A trajectory stopped by a cap is `truncated` (and counted by the cap that stopped it).
+`max_tool_result_tokens` per result, `max_trajectory_tokens` for the whole sequence after the prompt,
+`max_tool_timeouts` calls that ran out of time. A trajectory stopped by a cap is `truncated` (and counted
+by the cap that stopped it). Tool calls run off the engine loop, on a pool, under a tool-time budget per
+generate call (`tool_workers`, `tool_budget_s`; grpo_cli.tools.pool).
 """
 
 from __future__ import annotations
@@ -33,8 +36,9 @@ from grpo_cli.config import RolloutConfig
 from grpo_cli.engines.base import Completion, DelegatingEngine, Engine, Request, Rollouts, Sampling
 from grpo_cli.tools.chat import ChatFormat
 from grpo_cli.tools.environment import EnvironmentEnd
-from grpo_cli.tools.load import MAX_RESULT_CHARS, LoadedTool, ToolResult, call_tool, environment_of
-from grpo_cli.tools.tags import TagFormat
+from grpo_cli.tools.load import MAX_RESULT_CHARS, LoadedTool, environment_of
+from grpo_cli.tools.pool import CallDone, StepCalls, ToolPool
+from grpo_cli.tools.tags import Call, TagFormat
 
 
 class ToolCaps(NamedTuple):
@@ -42,6 +46,9 @@ class ToolCaps(NamedTuple):
     max_tool_calls: int  # tool calls in a trajectory
     max_tool_result_tokens: int  # tokens of one tool result (cut beyond)
     max_trajectory_tokens: int  # tokens after the prompt, the model's and the environment's together
+    max_tool_timeouts: int = 2  # calls of a trajectory that time out (or meet the spent budget) before it is cut
+    tool_workers: int = 16  # calls run at once (tools.pool)
+    tool_budget_s: float | None = None  # seconds of tool time per generate call; None = no budget
 
 
 @dataclass
@@ -62,6 +69,8 @@ class Trajectory:
     row: dict[str, Any] | None = None  # with an environment: the prompt's dataset row, which builds its instance
     env_key: tuple[int, int] = (-1, -1)  # with an environment: its instance's key in the environment's process
     env_calls: list[tuple[str, Any]] = field(default_factory=list)  # the calls an instance rebuilt must replay
+    pending_call: Call | None = None  # the call its last turn ended in, running on the pool (tools.pool)
+    tool_timeouts: int = 0  # its calls that timed out or met the step's spent tool budget
 
     def add_model(self, ids: list[int], logprobs: list[float], text: str) -> None:
         self.ids += ids
@@ -153,6 +162,7 @@ class ToolEngine(DelegatingEngine):
         self.tools, self.fmt, self.caps = {t.name: t for t in tools}, fmt, caps
         self.environment = environment_of(tools)
         self.added = [t for t in self.tokenizer.get_added_vocab() if t]  # token strings a result must not become
+        self.pool = ToolPool(caps.tool_workers)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -169,22 +179,23 @@ class ToolEngine(DelegatingEngine):
                     t.row, t.env_key = row, env.new_key()  # a fresh instance per sample
         turn = sampling._replace(stop=tuple(stops),
                                  max_new_tokens=min(sampling.max_new_tokens, caps.max_trajectory_tokens))
+        calls = StepCalls(self.pool, self.caps.tool_budget_s)
         try:
-            self._generate_each(prompt_ids, trajectories, turn, seeds)
+            self._generate_each(prompt_ids, trajectories, turn, seeds, calls)
         except BaseException:
             if env is not None:  # no instance may outlive its trajectory
                 env.forget([t.env_key for group in trajectories for t in group])
             raise
         ends = [[env.end(t.env_key, t.row, t.env_calls) for t in group] for group in trajectories] if env else []
-        return self._rollouts(prompt_ids, trajectories, ends)
+        return self._rollouts(prompt_ids, trajectories, ends, calls.tool_seconds)
 
     def _generate_each(self, prompt_ids: list[list[int]], trajectories: list[list[Trajectory]], turn: Sampling,
-                       seeds: list[int]) -> None:
+                       seeds: list[int], calls: StepCalls) -> None:
         """Every turn of every trajectory in one engine loop (`Engine.generate_each`): a trajectory whose turn
-        ends is absorbed (its tool run, its reply appended) and continued (on vLLM at once, while the others
-        decode on; on transformers in the next round). Sample g of prompt p starts from seed seeds[p] + g, the
-        seed vLLM gives it inside an n = G request, so a sample that never calls a tool is the single-turn
-        sample."""
+        ends is absorbed, its tool call runs on the pool while the others decode (tools.pool), and it continues
+        when the reply is appended (on vLLM at the next engine step, on transformers in the next round).
+        Sample g of prompt p starts from seed seeds[p] + g, the seed vLLM gives it inside an n = G request, so
+        a sample that never calls a tool is the single-turn sample."""
         cap = turn.max_new_tokens
 
         def request(p: int, g: int) -> Request:
@@ -193,21 +204,49 @@ class ToolEngine(DelegatingEngine):
             t.engine_calls += 1
             return Request((p, g), prompt_ids[p] + t.ids, turn._replace(n=1, max_new_tokens=self._room(t, cap)), seed)
 
-        def on_finish(key: tuple[int, int], out: Completion) -> Request | None:
+        def on_finish(key: tuple[int, int], out: Completion) -> None:
             t = trajectories[key[0]][key[1]]
-            self._absorb(t, out.ids, out.logprobs, out.truncated, cap)
-            return None if t.done else request(*key)
+            found = self._absorb(t, out.ids, out.logprobs, out.truncated, cap)
+            if found is None:
+                if not t.done:
+                    calls.resume(key)  # its turn goes on: it rejoins with the replies, in order
+                return
+            tool = self.tools.get(found.tool)
+            t.pending_call = found
+            if tool is None:  # a call the model wrote badly (tool ""): the reason is its error
+                calls.submit(key, None, found.argument)
+            else:
+                calls.submit(key, tool, found.argument,
+                             (t.env_key, t.row, t.env_calls) if tool.environment is not None else None)
+
+        class Continuations:  # what generate_each takes back between engine steps (engines.base.Replies)
+            @staticmethod
+            def waiting() -> int:
+                return calls.waiting
+
+            @staticmethod
+            def take(block: bool) -> list[Request]:
+                follow = []
+                for done in calls.take(block):
+                    t = trajectories[done.key[0]][done.key[1]]
+                    if done.result is not None:
+                        self._reply(t, done)
+                    if not t.done:
+                        follow.append(request(*done.key))
+                return follow
 
         self.engine.generate_each([request(p, g) for p, group in enumerate(trajectories) for g in range(len(group))],
-                                  on_finish)
+                                  on_finish, Continuations())
 
     def _room(self, t: Trajectory, turn_cap: int) -> int:
         """The tokens the model may still write in this turn: its turn's cap and the trajectory's."""
         return min(turn_cap - t.turn_tokens, self.caps.max_trajectory_tokens - len(t.ids))
 
-    def _absorb(self, t: Trajectory, ids: list[int], logprobs: list[float], truncated: bool, turn_cap: int) -> None:
+    def _absorb(self, t: Trajectory, ids: list[int], logprobs: list[float], truncated: bool,
+                turn_cap: int) -> Call | None:
         """One engine call's output into its trajectory: the model's tokens (cut at a stop string, and to the
-        turn's and the trajectory's room), then the tool's reply when the turn ended in a call, or the end."""
+        turn's and the trajectory's room); the call its turn ended in, or None (the trajectory is done, or its
+        turn goes on: a close string without an open string)."""
         text = self._decode(ids)
         stop_end = None
         if cut := cut_at_stop(ids, text, self.fmt.stops, self._decode):
@@ -221,53 +260,53 @@ class ToolEngine(DelegatingEngine):
             t.done = True
             if truncated:
                 t.capped = "trajectory_tokens" if len(t.ids) >= self.caps.max_trajectory_tokens else "turn_tokens"
-            return
+            return None
         if len(t.ids) >= self.caps.max_trajectory_tokens:
             t.done, t.capped = True, "trajectory_tokens"
-            return
+            return None
         found = self.fmt.find_call(t.turn_text[: len(t.turn_text) - len(text) + stop_end])  # up to the stop string
         if found is None:  # a close string with no open string before it: not a call, the turn goes on
             if t.turn_tokens >= turn_cap:
                 t.done, t.capped = True, "turn_tokens"
-            return
+            return None
         if t.turns >= self.caps.max_turns or t.calls >= self.caps.max_tool_calls:
             t.done, t.capped = True, "turns" if t.turns >= self.caps.max_turns else "tool_calls"
-            return
-        self._reply(t, found.tool, found.argument)
+            return None
+        return found
 
-    def _reply(self, t: Trajectory, tool_name: str, argument: str | dict) -> None:
-        """Run the tool and append its reply, tokenized once (its result cut to max_tool_result_tokens). A
-        call the model wrote badly (tool "") gets the reason as an error, and counts as failed."""
-        tool = self.tools.get(tool_name)
-        if tool is None:
-            result = ToolResult(f"error: {argument}", False)
-        elif tool.environment is not None:  # a method of this trajectory's own instance
-            text, ok, replay = tool.environment.call(t.env_key, t.row, t.env_calls, tool_name, argument)
-            result = ToolResult(text[:MAX_RESULT_CHARS], ok)
-            if replay == "replay":
-                t.env_calls.append((tool_name, argument))
-        else:
-            result = call_tool(tool, argument)
+    def _reply(self, t: Trajectory, done: CallDone) -> None:
+        """Append a finished call's reply, tokenized once (its result cut to max_tool_result_tokens). A call
+        that timed out or met the spent budget counts against rollout.max_tool_timeouts: the trajectory is cut
+        at that many."""
+        call = t.pending_call
+        result = done.result._replace(text=done.result.text[:MAX_RESULT_CHARS])
+        if done.replay == "replay":  # an environment method that ran: a rebuilt instance replays it
+            t.env_calls.append((call.tool, call.argument))
         ids, text = reply_ids(self.tokenizer, self.fmt, result.text, self.caps.max_tool_result_tokens, self.added)
         reply = self.fmt.render(text)
         room = self.caps.max_trajectory_tokens - len(t.ids)
         t.calls += 1
-        t.add_environment(ids[:room], {"role": "tool", "tool": tool_name, "argument": argument, "result": text,
-                                       "ok": result.ok, "text": reply})
+        t.add_environment(ids[:room], {"role": "tool", "tool": call.tool, "argument": call.argument, "result": text,
+                                       "ok": result.ok, "text": reply, "seconds": round(done.seconds, 4),
+                                       "failure": result.failure})
+        t.tool_timeouts += result.failure is not None
         if len(ids) >= room:  # the reply filled the budget: no room for the model to read and answer
             t.done, t.capped = True, "trajectory_tokens"
+        elif t.tool_timeouts >= self.caps.max_tool_timeouts:  # its calls keep running out of time: cut
+            t.done, t.capped = True, "tool_timeouts"
         else:
             t.turns += 1
 
     def _rollouts(self, prompt_ids: list[list[int]], trajectories: list[list[Trajectory]],
-                  ends: list[list[EnvironmentEnd]]) -> Rollouts:
+                  ends: list[list[EnvironmentEnd]], tool_seconds: float) -> Rollouts:
         texts = [[self._decode(t.ids) for t in group] for group in trajectories]  # [P][G] with the tool results
         return Rollouts(prompt_ids, [[t.ids for t in group] for group in trajectories],
                         [[t.logprobs for t in group] for group in trajectories], texts,
                         [[t.capped is not None for t in group] for group in trajectories],
                         model_mask=[[t.model_mask for t in group] for group in trajectories],
                         segments=[[t.segments for t in group] for group in trajectories],
-                        capped=[[t.capped for t in group] for group in trajectories], environments=ends)
+                        capped=[[t.capped for t in group] for group in trajectories], environments=ends,
+                        tool_seconds=[tool_seconds])
 
 
 def with_tools(engine: Engine, tools: list[LoadedTool], rollout: RolloutConfig) -> Engine:
@@ -280,5 +319,5 @@ def with_tools(engine: Engine, tools: list[LoadedTool], rollout: RolloutConfig) 
     else:
         fmt = TagFormat(tuple((t.name, t.open, t.close) for t in tools), *rollout.tool_result_tags)
     caps = ToolCaps(rollout.max_turns, rollout.max_tool_calls, rollout.max_tool_result_tokens,
-                    rollout.trajectory_tokens)
+                    rollout.trajectory_tokens, rollout.max_tool_timeouts, rollout.tool_workers, rollout.tool_budget_s)
     return ToolEngine(engine, tools, fmt, caps)

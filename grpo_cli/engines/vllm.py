@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from grpo_cli.config import ModelConfig, RolloutConfig
-from grpo_cli.engines.base import Completion, LeafEngine, Request, Rollouts, Sampling
+from grpo_cli.engines.base import Completion, LeafEngine, Replies, Request, Rollouts, Sampling
 from grpo_cli.engines.options import (
     CPU_MAX_BATCHED_TOKENS,
     CPU_MAX_SEQS,
@@ -207,11 +207,14 @@ class VLLMEngine(LeafEngine):
     def close(self) -> None:
         """Nothing to stop: the engine lives in this process and goes with it."""
 
-    def generate_each(self, requests: list[Request], on_finish: Callable[[Any, Completion], Request | None]) -> None:
+    def generate_each(self, requests: list[Request], on_finish: Callable[[Any, Completion], Request | None],
+                      replies: Replies | None = None) -> None:
         """Sample each request (n = 1, its own seed) and hand each completion to `on_finish` as soon as it
-        finishes; what `on_finish` returns (the request that continues it: a tool's reply appended) joins the
-        running batch at the next engine step. So no request waits for the slowest of a batch, and the engine
-        steps until nothing runs. The multi-turn tool loop's continuation turns (tools.trajectories)."""
+        finishes; what `on_finish` returns, and what `replies` gives back between engine steps (a trajectory
+        whose tool call ran on the pool, its reply appended), joins the running batch at the next engine step.
+        So no request waits for the slowest of a batch, decoding goes on while tools run, and the engine steps
+        until nothing runs and nothing is waiting. The multi-turn tool loop's turns (engines.tools). A failure
+        half-way aborts the requests still in the engine, so the next generate starts from an empty one."""
         from vllm.sampling_params import RequestOutputKind
 
         engine, keys, pending = self.llm.llm_engine, {}, list(requests)
@@ -234,17 +237,32 @@ class VLLMEngine(LeafEngine):
                         state.logprobs_processor.tokenizer = None
                 added += len(request.prompt_ids)
 
-        add_pending()
-        while engine.has_unfinished_requests() or pending:
-            for out in engine.step():
-                if not out.finished:
-                    continue
-                c = out.outputs[0]
-                completion = Completion(list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)],
-                                        c.finish_reason == "length")
-                if (follow := on_finish(keys.pop(out.request_id), completion)) is not None:
-                    pending.append(follow)
+        def waiting() -> int:
+            return replies.waiting() if replies is not None else 0
+
+        try:
             add_pending()
+            while engine.has_unfinished_requests() or pending or waiting():
+                if not engine.has_unfinished_requests() and not pending:  # nothing to decode: wait for a reply
+                    pending.extend(replies.take(block=True))
+                    add_pending()
+                    continue
+                for out in engine.step():
+                    if not out.finished:
+                        continue
+                    c = out.outputs[0]
+                    completion = Completion(list(c.token_ids),
+                                            [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)],
+                                            c.finish_reason == "length")
+                    if (follow := on_finish(keys.pop(out.request_id), completion)) is not None:
+                        pending.append(follow)
+                if replies is not None:
+                    pending.extend(replies.take(block=False))
+                add_pending()
+        except BaseException:
+            if keys:  # requests of this call still in the engine: no later generate may meet them
+                engine.abort_request(list(keys))
+            raise
 
     def read_weights(self, names: Iterable[str]) -> dict[str, Any]:
         """Copies of the engine's own parameters named `names` (checkpoint names), those it holds as loaded:

@@ -105,20 +105,29 @@ class LoadedEnvironment:
         return out[0]
 
     def forget(self, keys: list[tuple[int, int]]) -> None:
-        """Drop instances without ending them (a generate that failed half-way); in a worker they go with it."""
+        """Drop instances without ending them (a generate that failed half-way), here and in a live worker."""
         for key in keys:
             _LIVE.pop(key, None)
             self.served.pop(key, None)
+        if self.worker is not None and self.worker.process is not None and self.worker.process.is_alive():
+            self.worker.call([(FORGET, keys)], {})  # a worker that fails to answer is killed, instances and all
 
     def close(self) -> None:
         if self.worker is not None:
             self.worker.close()
 
 
+FORGET = "forget"  # serve_request((FORGET, keys)): drop those instances; answers how many this process still holds
+
+
 def serve_request(requests: list, **_: Any) -> list:
     """Run one request where the instances live (the worker, or the trainer's process without a time limit):
     (key, class name, columns, earlier calls, method, argument); method "" ends the trajectory. Builds the
     instance (replaying the earlier calls) when this process does not hold it."""
+    if requests[0][0] == FORGET:
+        for key in requests[0][1]:
+            _LIVE.pop(tuple(key), None)
+        return [len(_LIVE)]
     [(key, name, columns, history, method, argument)] = requests
     env = _LIVE.get(key)
     if env is None:

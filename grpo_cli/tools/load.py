@@ -36,11 +36,15 @@ class LoadedTool:
     worker: Any = field(default=None, compare=False, repr=False)  # a RewardWorker when timeout_s is set
     schema: dict | None = field(default=None, compare=False)  # chat format: the JSON schema the model is shown
     environment: Any = field(default=None, compare=False, repr=False)  # a method of this LoadedEnvironment
+    # With a worker: those idle now (the pool takes one per call, tools.pool) and the ones started beside it
+    idle: list = field(default_factory=list, compare=False, repr=False)
+    spares: list = field(default_factory=list, compare=False, repr=False)
 
 
 class ToolResult(NamedTuple):
     text: str  # what the model reads (a short error text when the call failed)
     ok: bool  # False: it raised, timed out or returned junk
+    failure: str | None = None  # "timeout": it ran out of time | "budget": the step's tool time was spent (tools.pool)
 
 
 def _load_function(name: str, where: str) -> ToolFn:
@@ -145,7 +149,8 @@ def load_tools(specs: list, tool_format: str = "tags", environment: Any = None) 
             import functools
 
             worker = RewardWorker(f"tool-{short}", functools.partial(call_each, tool=fn), float(timeout_s))
-        loaded.append(LoadedTool(name, fn, open_, close, timeout_s, worker, schema, env))
+        loaded.append(LoadedTool(name, fn, open_, close, timeout_s, worker, schema, env,
+                                 idle=[worker] if worker is not None else []))
     return loaded
 
 
@@ -162,12 +167,17 @@ def call_each(arguments: list[str | dict], tool: ToolFn) -> list[Any]:
     return [str(r) if isinstance(r, int | float) and not isinstance(r, bool) else r for r in results]
 
 
-def call_tool(tool: LoadedTool, argument: str | dict) -> ToolResult:
-    """One call, in the tool's worker under its time limit (or in process without one); never raises."""
-    if tool.worker is not None:
-        tag, out = tool.worker.call([argument], {})
+def call_tool(tool: LoadedTool, argument: str | dict, worker: RewardWorker | None = None,
+              timeout_s: float | None = None) -> ToolResult:
+    """One call, in a worker of the tool (`worker`, or its own) within `timeout_s` (its own limit unless given),
+    or in process without a limit; never raises."""
+    worker = worker or tool.worker
+    if worker is not None:
+        tag, out = worker.call([argument], {}, timeout_s)
     else:
         tag, out = call_in_process(call_each, [argument], {"tool": tool.fn})
+    if tag == "timeout":
+        return ToolResult(f"error: the tool {out}"[:240], False, "timeout")
     if tag != "ok":
         reason = out.removeprefix("raised ")
         if reason.startswith("ToolFailed: "):  # the tool's own account of what stopped it
@@ -182,7 +192,7 @@ def call_tool(tool: LoadedTool, argument: str | dict) -> ToolResult:
 def close_tools(tools: list[LoadedTool]) -> None:
     """End the tools' workers (at the end of a run; a killed trainer's workers exit on their own)."""
     for tool in tools:
-        if tool.worker is not None:
-            tool.worker.close()
+        for worker in [tool.worker, *tool.spares] if tool.worker is not None else []:
+            worker.close()
     if (env := environment_of(tools)) is not None:
         env.close()

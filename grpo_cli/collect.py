@@ -77,15 +77,19 @@ def score_groups(rows: list[dict[str, Any]], prompt_ids: list[list[int]], rollou
     tokens = rollouts.model_tokens()  # [P*G] the model's own (a trajectory's tool replies are not)
     calls = rollouts.tool_calls()  # [P*G] each trajectory's tool calls; None single-turn
     env = rollouts.environment_results()  # ([P*G] states, [P*G] rewards) with an environment, else None
+    whole = rollouts.trajectory_texts()  # ([P*G] texts, [P*G] tokens) of a tool run's whole trajectories, else None
     mine = dist.share(P)  # each rank scores its share of the groups; every rank then holds all the scores
     lo, hi = mine.start * G, mine.stop * G
     failures = rewards.RewardFailures()
     context = rewards.SampleContext(tokens[lo:hi], columns[cfg.data.prompt_column][lo:hi],
                                     calls[lo:hi] if calls is not None else None,
-                                    (env[0][lo:hi], env[1][lo:hi]) if env is not None else None)
+                                    (env[0][lo:hi], env[1][lo:hi]) if env is not None else None,
+                                    whole[0][lo:hi] if whole is not None else None,
+                                    whole[1][lo:hi] if whole is not None else None,
+                                    cfg.rollout.trajectory_tokens if whole is not None else None)
     scored = rewards.score(reward_fns, completions[lo:hi], {k: v[lo:hi] for k, v in columns.items()},
                            cfg.data.answer_format, failures, group_size=G,
-                           max_new_tokens=cfg.rollout.trajectory_tokens,  # a tool run: the whole trajectory's cap
+                           max_new_tokens=cfg.rollout.max_new_tokens,  # a tool run: a model turn's cap
                            context=context)
     if dist.world_size > 1:
         scored, failures = merge_scores(dist.gather((scored, failures)))

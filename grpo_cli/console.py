@@ -152,7 +152,7 @@ class PlainConsole:
         self._print(f"samples at step {step}:")
         for s in samples:
             prompt = _shorten(s.get("prompt", ""), 60, "end", "\\n", "...")
-            completion = _shorten(s.get("completion", ""), 120, "both", "\\n", "...")
+            completion = _shorten(s.get("trajectory", s.get("completion", "")), 120, "both", "\\n", "...")
             self._print(f"  adv {_f(s.get('advantage'), '+.2f')} | {_rewards_text(s.get('rewards', {}))} | "
                         f"prompt: {prompt} | completion: {completion}")
 
@@ -274,7 +274,7 @@ class LiveConsole:
             style = "green" if adv is not None and adv > 0 else ("red" if adv is not None and adv < 0 else "")
             # Text(...) and not a str: completions may contain [brackets] that rich would read as markup.
             table.add_row(Text(_shorten(s.get("prompt", ""), 80, "end", " ⏎ ", "…")),
-                          Text(_shorten(s.get("completion", ""), 200, "both", " ⏎ ", "…")),
+                          Text(_shorten(s.get("trajectory", s.get("completion", "")), 200, "both", " ⏎ ", "…")),
                           Text(_rewards_text(s.get("rewards", {}))), Text(_f(adv, "+.2f"), style=style))
         self.console.print(table)
 

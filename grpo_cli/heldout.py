@@ -107,13 +107,16 @@ class HeldoutSet:
               rewards: list[WeightedReward], data: DataConfig) -> HeldoutSet:
         return cls(rows, [encode(row) for row in rows], rewards, data.answer_format, data.prompt_column)
 
-    def score(self, out: Rollouts, max_new_tokens: int) -> Any:
-        """The rewards' Scores of the k completions per row in `out`, laid out row-major [N*k]."""
+    def score(self, out: Rollouts, max_new_tokens: int, max_trajectory_tokens: int | None = None) -> Any:
+        """The rewards' Scores of the k completions per row in `out`, laid out row-major [N*k]. `max_new_tokens`:
+        the completion's (a model turn's) cap; `max_trajectory_tokens`: a tool run's trajectory cap."""
         k = len(out.texts[0]) if out.texts else 1
         texts = [t for group in out.texts for t in group]  # [N*k]
         columns = {key: [row[key] for row in self.rows for _ in range(k)] for key in self.rows[0]}  # each [N*k]
+        whole = out.trajectory_texts()
         context = SampleContext(out.model_tokens(), columns.get(self.prompt_column), out.tool_calls(),
-                                out.environment_results())
+                                out.environment_results(), *(whole or (None, None)),
+                                max_trajectory_tokens if whole is not None else None)
         return score(self.rewards, texts, columns, self.answer_format, group_size=k, max_new_tokens=max_new_tokens,
                      context=context)
 
@@ -123,12 +126,12 @@ def heldout_metrics(engine: Engine, heldout: HeldoutSet, sampling: Sampling, see
     """Sample `sampling.n` = k completions per held-out row and measure them (see `summarise`), overall
     and per tier. `samples`, when given, receives one record per sample (prompt, completion, rewards,
     length, truncated, row columns). For the training log, `flatten(metrics)` gives eval/... keys.
-    `max_tokens`: the completion cap the rewards see (a tool run's trajectory cap; None = the turn's)."""
+    `max_tokens`: a tool run's trajectory cap, which the rewards see as `max_trajectory_tokens`."""
     k, rows = sampling.n, heldout.rows
     out = engine.generate(heldout.prompt_ids, sampling, seeds, rows)
     texts = [t for group in out.texts for t in group]  # [N*k]
     lengths = out.model_tokens()  # [N*k] the model's own tokens (a trajectory's tool replies are not)
-    scored = heldout.score(out, max_tokens or sampling.max_new_tokens)
+    scored = heldout.score(out, sampling.max_new_tokens, max_tokens)
     correct = scored.per_function[correctness_name(heldout.rewards)]  # [N*k]
     truncated = [bool(t) for group in out.truncated for t in group]  # [N*k]
     votes = [answer_key(t, heldout.answer_format) for t in texts]  # [N*k]
@@ -145,7 +148,7 @@ def heldout_metrics(engine: Engine, heldout: HeldoutSet, sampling: Sampling, see
                 "problem": p, "sample": s % k, "prompt": engine.tokenizer.decode(heldout.prompt_ids[p]),
                 "completion": text, "rewards": {name: values[s] for name, values in scored.per_function.items()},
                 "length": lengths[s], "truncated": truncated[s], "columns": rows[p],
-                **({"turns": out.segments[p][s % k]} if out.segments else {}),
+                **({"trajectory": out.trajectories[p][s % k], "turns": out.segments[p][s % k]} if out.segments else {}),
                 **({"environment": out.environments[p][s % k]._asdict()} if out.environments else {}),
             })
     return metrics
@@ -170,7 +173,7 @@ def add_greedy_metrics(metrics: dict[str, Any], engine: Engine, heldout: Heldout
     calls a tool). `max_tokens` as in heldout_metrics."""
     out = engine.generate(heldout.prompt_ids, Sampling(1, 0.0, 1.0, max_new_tokens), list(range(len(heldout.rows))),
                           heldout.rows)
-    scored = heldout.score(out, max_tokens or max_new_tokens)
+    scored = heldout.score(out, max_new_tokens, max_tokens)
     correct = scored.per_function[correctness_name(heldout.rewards)]  # [N]
     metrics["greedy_accuracy"] = _mean(correct)
     for tier, idx in _tiers(heldout.rows).items():

@@ -173,7 +173,8 @@ class RunOutput:
             samples = [{"prompt": tokenizer.decode(groups.prompt_ids[p]), "completion": rollouts.texts[p][0],
                         "rewards": {name: vals[p * G] for name, vals in groups.scored.per_function.items()},
                         "advantage": float(groups.advantages[p, 0]),
-                        **({"turns": rollouts.segments[p][0]} if rollouts.segments else {}),
+                        **({"trajectory": rollouts.trajectories[p][0], "turns": rollouts.segments[p][0]}
+                           if rollouts.segments else {}),
                         **({"environment": rollouts.environments[p][0]._asdict()} if rollouts.environments else {})}
                        for p in range(min(len(groups.rows), 4))]
             self.logger.log_samples(samples, step)

@@ -87,9 +87,13 @@ def test_the_shipped_base_model_fits_the_size_class_and_its_tokenizer_splits_the
 
 
 def test_the_reward_cases_hold_trajectories_with_tool_results():
-    """(tests/test_tasks.py runs every recipe's case file through `grpo reward`.)"""
+    """(tests/test_tasks.py runs every recipe's case file through `grpo reward`.) A case's completion is the
+    model's words: its trajectory with the tool results left out."""
     cases = [json.loads(line) for line in CASES.read_text().splitlines()]
-    assert sum("<result>" in c["completion"] for c in cases) >= 6
+    assert sum("<result>" in c.get("trajectory", "") for c in cases) >= 6
+    assert not any("<result>" in c["completion"] for c in cases)
+    assert all(re.sub(r"<result>.*?</result>", "", c["trajectory"], flags=re.S) == c["completion"]
+               for c in cases if "trajectory" in c)
     assert any(not call["ok"] for c in cases for call in c.get("tool_calls", []))  # an error result too
     assert {c["expected"]["correct"] for c in cases} == {0, 1}
 
@@ -122,7 +126,7 @@ def test_a_few_steps_of_the_recipe_call_the_calculator_and_log_the_tool_and_gree
     for s in called:  # each result is the calculator's answer to the expression the model wrote
         for t in (t for t in s["turns"] if t["role"] == "tool"):
             assert t["tool"] == "calculator" and t["result"] == calculator(t["argument"])
-            assert f"<calc>{t['argument']}</calc><result>{t['result']}</result>" in s["completion"]
+            assert f"<calc>{t['argument']}</calc><result>{t['result']}</result>" in s["trajectory"]
     out = plot_runs([tmp_path / "run"], tmp_path / "metrics.png")
     width = int.from_bytes(out.read_bytes()[16:20], "big")  # the PNG header's width: a fourth column, tool use
     assert width == 2100  # 21 inches at 100 dpi; a run without tools is 16

@@ -356,6 +356,17 @@ def test_reward_args_reach_the_function_and_token_counts_come_from_the_scorer():
         load_rewards([RewardSpec(name="overlong", args={"max_new_tokens": 5})])
 
 
+def test_overlong_in_a_tool_run_compares_the_trajectory_with_its_cap():
+    """Like with like: a trajectory's tokens (the replies' too) against the trajectory cap, which is what cuts
+    it off, not the model's tokens against it (issue 36). The scorer passes both from the tool run."""
+    from grpo_cli.rewards import SampleContext, load_rewards, score
+
+    loaded = load_rewards([RewardSpec(name="overlong", args={"buffer": 4})])
+    context = SampleContext(completion_tokens=[5, 5], trajectory_tokens=[8, 20], max_trajectory_tokens=20)
+    scored = score(loaded, ["a", "b"], {}, "answer_line", max_new_tokens=10, context=context)
+    assert scored.per_function["overlong"] == [0.0, -1.0]  # 8 of 20 is free; 20 of 20 reached the cap
+
+
 # ---------------------------------------------------------------------------
 # one rule per answer format
 

@@ -414,8 +414,9 @@ def test_an_environment_trajectory_keeps_its_state_across_turns_and_the_rewards_
     rows = [{"answer": "60", "question": "Q"}]
     out = ToolEngine(engine, tools, fmt, CAPS).generate([tokenizer("Q:", add_special_tokens=False)["input_ids"]],
                                                         Sampling(1, 1.0, 1.0, 48), [7], rows)
-    assert out.texts[0][0] == (" a <subtotal>3*18</subtotal><result>#1 54.00</result> then <subtotal>54+6</subtotal>"
-                               "<result>#2 60.00</result>\nAnswer: 60.00")
+    assert out.trajectories[0][0] == (" a <subtotal>3*18</subtotal><result>#1 54.00</result> then "
+                                      "<subtotal>54+6</subtotal><result>#2 60.00</result>\nAnswer: 60.00")
+    assert out.texts[0][0] == " a <subtotal>3*18</subtotal> then <subtotal>54+6</subtotal>\nAnswer: 60.00"
     end = out.environments[0][0]
     assert end.state["subtotals"] == ["54.00", "60.00"] and end.reward == 1.0
     assert tool_metrics(out)["tools/environment_failed"] == 0.0
@@ -487,7 +488,8 @@ def test_a_trajectory_is_the_model_tokens_as_sampled_and_each_reply_tokenized_on
     assert ids == first + reply + last  # token in, token out: nothing re-tokenized
     assert mask == [1] * len(first) + [0] * len(reply) + [1] * len(last)
     assert all(lp == 0.0 for lp, m in zip(lps, mask) if m == 0) and all(lp < 0 for lp, m in zip(lps, mask) if m)
-    assert out.texts[0][0] == " cost: <calc>3*18</calc><result>54.00</result>\nAnswer: 54.00"
+    assert out.trajectories[0][0] == " cost: <calc>3*18</calc><result>54.00</result>\nAnswer: 54.00"
+    assert out.texts[0][0] == " cost: <calc>3*18</calc>\nAnswer: 54.00"  # the model's words, what rewards read
     assert [s["role"] for s in out.segments[0][0]] == ["model", "tool", "model"]
     assert out.tool_calls() == [[{"tool": "calculator", "argument": "3*18", "result": "54.00", "ok": True}]]
     assert out.truncated == [[False]] and out.capped == [[None]]
@@ -765,7 +767,7 @@ def test_a_tool_run_trains_on_vllm_with_trajectories_of_several_turns(tmp_path, 
     assert "eval/tools/calls_per_sample" in steps[-1]  # held-out pass@1 with the tools too
     samples = [json.loads(line) for line in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
     tool_turns = [t for s in samples for t in s["turns"] if t["role"] == "tool"]
-    assert tool_turns and all(t["tool"] == "subtotal" and t["text"] in s["completion"]
+    assert tool_turns and all(t["tool"] == "subtotal" and t["text"] in s["trajectory"]
                               for s in samples for t in s["turns"] if t["role"] == "tool")
     for s in samples:  # each sample's own ledger: one subtotal per call it made, numbered from 1
         calls = [t for t in s["turns"] if t["role"] == "tool"]
@@ -961,6 +963,50 @@ def test_on_vllm_slow_calls_leave_the_other_samples_decoding_and_change_no_sampl
     assert len(late) >= 2 and tool_metrics(slow)["tools/calls_per_sample"] > 0.5
     assert slow.completion_ids == prompt.completion_ids and slow.texts == prompt.texts
     assert tool_metrics(slow)["time/tools"] < sum(s["seconds"] for s in late)  # they overlapped
+
+
+# ------------------------------------------------------------------ rewards read the model's own words
+
+
+def says_the_answer(argument):  # a tool whose text holds an answer line
+    return "112.64\nAnswer: 112.64"
+
+
+def says_another_answer(argument):
+    return "Answer: 7"
+
+
+@pytest.mark.parametrize("tool, after, correct", [("says_the_answer", "", 0.0),
+                                                  ("says_another_answer", "\nAnswer: 112.64", 1.0)])
+def test_a_tools_text_is_never_scored_as_the_models_answer(tokenizer, tool, after, correct):
+    """The rewards' completion is the model's words: a tool printing `Answer: ...` neither answers for the model
+    nor spoils its own answer (both did when the rewards read the whole trajectory). The trajectory is there
+    too, for a reward that wants it."""
+    from grpo_cli.config import RewardSpec
+    from grpo_cli.rewards import load_rewards
+    from grpo_cli.rewards.score import SampleContext, score
+
+    out = run_group(tokenizer, [["mountain bike: <calc>8 x 14.08</calc>", after]],
+                    [ToolSpec(function=f"test_tools:{tool}", open="<calc>", close="</calc>", timeout_s=None)],
+                    CAPS._replace(max_tool_result_tokens=32))
+    assert out.texts == [["mountain bike: <calc>8 x 14.08</calc>" + after]]
+    whole = out.trajectories[0][0]
+    assert whole == f"mountain bike: <calc>8 x 14.08</calc><result>{globals()[tool]('')}</result>{after}"
+    seen = {}
+
+    def reads(completions, trajectory, trajectory_tokens, **kwargs):
+        seen.update(trajectory=trajectory, tokens=trajectory_tokens, cap=kwargs["max_trajectory_tokens"])
+        return [0.0] * len(completions)
+
+    rewards = load_rewards([RewardSpec(name="correct", correctness=True), RewardSpec(name="format")])
+    texts, tokens = out.trajectory_texts()
+    context = SampleContext(out.model_tokens(), trajectories=texts, trajectory_tokens=tokens, max_trajectory_tokens=120)
+    scored = score(rewards, out.texts[0], {"answer": ["112.64"]}, "answer_line", context=context)
+    assert scored.per_function["correct"] == [correct] and scored.per_function["format"] == [correct]
+    from grpo_cli.rewards.load import WeightedReward
+
+    score([WeightedReward("reads", reads, 1.0)], out.texts[0], {}, "answer_line", context=context)
+    assert seen == {"trajectory": [whole], "tokens": [len(out.completion_ids[0][0])], "cap": 120}
 
 
 # ------------------------------------------------------------------ a generate that fails half-way

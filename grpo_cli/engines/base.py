@@ -23,7 +23,7 @@ class Rollouts:
     prompt_ids: list[list[int]]  # [P] prompt token ids
     completion_ids: list[list[list[int]]]  # [P][G] sampled completion token ids
     sampling_logprobs: list[list[list[float]]]  # [P][G][T_i] each sampled token's logprob, after the temperature
-    texts: list[list[str]]  # [P][G] decoded completions
+    texts: list[list[str]]  # [P][G] decoded completions; a tool run's: the model's own words, tool replies left out
     truncated: list[list[bool]]  # [P][G] stopped by max_new_tokens (or a tool run's cap) instead of end-of-sequence
     # With tools (grpo_cli.tools.trajectories) a completion is a trajectory: the model's tokens and the
     # environment's replies. Empty lists: single-turn, every token is the model's.
@@ -32,9 +32,10 @@ class Rollouts:
     capped: list[list[str | None]] = field(default_factory=list)  # [P][G] the tool-run cap that stopped it, or None
     environments: list[list[Any]] = field(default_factory=list)  # [P][G] with rollout.environment: its EnvironmentEnd
     tool_seconds: list[float] = field(default_factory=list)  # one per engine share of a tool run: wall s with a call running
+    trajectories: list[list[str]] = field(default_factory=list)  # [P][G] a tool run's whole decoded trajectory, replies in it
 
     FIELDS = ("prompt_ids", "completion_ids", "sampling_logprobs", "texts", "truncated", "model_mask", "segments",
-              "capped", "environments", "tool_seconds")
+              "capped", "environments", "tool_seconds", "trajectories")
 
     @property
     def num_tokens(self) -> int:
@@ -45,6 +46,14 @@ class Rollouts:
         if not self.model_mask:
             return [len(c) for group in self.completion_ids for c in group]
         return [sum(mask) for group in self.model_mask for mask in group]
+
+    def trajectory_texts(self) -> tuple[list[str], list[int]] | None:
+        """([P*G] each trajectory's whole text, [P*G] its tokens after the prompt, the replies' included), or None
+        when single-turn: what the rewards receive as `trajectory` and `trajectory_tokens`."""
+        if not self.segments:
+            return None
+        return ([text for group in self.trajectories for text in group],
+                [len(c) for group in self.completion_ids for c in group])
 
     def tool_calls(self) -> list[list[dict]] | None:
         """[P*G] each trajectory's tool calls ({"tool", "argument", "result", "ok"}), or None when single-turn:

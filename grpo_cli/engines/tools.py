@@ -18,7 +18,8 @@ A trajectory is one token sequence after the prompt, with `model_mask` 1 on the 
 0 on the environment's, and the engine's sampling logprob of each model token (0 on the
 environment's). Sampling is a pure function of (seed, step, prompt, sample, request number), so a
 resumed run samples the same trajectories, and a sample that never calls a tool is the single-turn
-sample.
+sample. `Rollouts.texts` are the model's own words (what the rewards read), `Rollouts.trajectories`
+the whole conversations.
 
 Caps (rollout.*): `max_new_tokens` per model turn, `max_turns` model turns, `max_tool_calls` calls,
 `max_tool_result_tokens` per result, `max_trajectory_tokens` for the whole sequence after the prompt,
@@ -299,14 +300,16 @@ class ToolEngine(DelegatingEngine):
 
     def _rollouts(self, prompt_ids: list[list[int]], trajectories: list[list[Trajectory]],
                   ends: list[list[EnvironmentEnd]], tool_seconds: float) -> Rollouts:
-        texts = [[self._decode(t.ids) for t in group] for group in trajectories]  # [P][G] with the tool results
+        # [P][G] the model's own words (what the rewards read as `completions`), and the whole trajectory
+        texts = [["".join(s["text"] for s in t.segments if s["role"] == "model") for t in group] for group in trajectories]
+        whole = [[self._decode(t.ids) for t in group] for group in trajectories]
         return Rollouts(prompt_ids, [[t.ids for t in group] for group in trajectories],
                         [[t.logprobs for t in group] for group in trajectories], texts,
                         [[t.capped is not None for t in group] for group in trajectories],
                         model_mask=[[t.model_mask for t in group] for group in trajectories],
                         segments=[[t.segments for t in group] for group in trajectories],
                         capped=[[t.capped for t in group] for group in trajectories], environments=ends,
-                        tool_seconds=[tool_seconds])
+                        tool_seconds=[tool_seconds], trajectories=whole)
 
 
 def with_tools(engine: Engine, tools: list[LoadedTool], rollout: RolloutConfig) -> Engine:

@@ -47,15 +47,20 @@ def format_ok(completions: list, answer_format: str = "answer_line", prompt: lis
 
 
 def overlong(completions: list, completion_tokens: list | None = None, max_new_tokens: int | None = None,
-             buffer: int = 32, **kwargs: Any) -> list[float]:
+             buffer: int = 32, trajectory_tokens: list | None = None, max_trajectory_tokens: int | None = None,
+             **kwargs: Any) -> list[float]:
     """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), from each completion's token count |y|
     and the cap L = rollout.max_new_tokens (both passed by the trainer and by `grpo eval`):
 
         0 for |y| <= L - buffer;   ((L - buffer) - |y|) / buffer for L - buffer < |y| <= L;   -1 beyond L.
 
     A linear fall from 0 to -1 over the last `buffer` tokens before the cap (set it with
-    `args: {buffer: N}`), so long answers are discouraged before they are cut off.
+    `args: {buffer: N}`), so long answers are discouraged before they are cut off. In a tool run like is
+    compared with like: the whole trajectory's tokens (the replies' too) against the trajectory cap, the
+    length that cuts it off.
     """
+    if trajectory_tokens is not None and max_trajectory_tokens is not None:
+        completion_tokens, max_new_tokens = trajectory_tokens, max_trajectory_tokens
     if completion_tokens is None or max_new_tokens is None:
         raise ValueError("overlong needs completion_tokens and max_new_tokens, which grpo train and grpo eval pass")
     if not 0 < buffer <= max_new_tokens:

@@ -2,7 +2,9 @@
 
 Each line of the cases file is a JSON object: a `completion`, the dataset columns the rewards need
 (e.g. `answer`), optionally `expected` (a number for the correctness reward, or {name: value}),
-a `note`, and for a tool recipe the trajectory's `tool_calls` ([{"tool", "argument", "result", "ok"}]). Exit code 1 when a case's score differs from its expected value or a reward fails.
+a `note`, and for a tool recipe the model's words as `completion` (what the rewards read as `completions`),
+the whole conversation as `trajectory` and its `tool_calls` ([{"tool", "argument", "result", "ok"}]). Exit
+code 1 when a case's score differs from its expected value or a reward fails.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from grpo_cli.rewards.answers import as_text
 from grpo_cli.rewards.load import RESERVED, correctness_name, load_rewards, needed_columns
 from grpo_cli.rewards.score import RewardFailures, SampleContext, score
 
-_CASE_KEYS = ("completion", "expected", "note", "tool_calls")  # everything else in a case is a dataset column
+_CASE_KEYS = ("completion", "expected", "note", "tool_calls", "trajectory")  # everything else is a dataset column
 
 
 def read_cases(path_text: str) -> list[dict]:
@@ -119,7 +121,8 @@ def run_cases(config: Any, run_dir: Any) -> int:
         case_failures = RewardFailures()
         prompt = case.get(config.data.prompt_column)
         context = SampleContext(prompts=[prompt] if isinstance(prompt, str) else None,
-                                tool_calls=[case["tool_calls"]] if "tool_calls" in case else None)
+                                tool_calls=[case["tool_calls"]] if "tool_calls" in case else None,
+                                trajectories=[case["trajectory"]] if "trajectory" in case else None)
         _, per_function, _ = score(rewards, [case["completion"]], columns, config.data.answer_format, case_failures,
                                    context=context)
         for name, count in case_failures.counts.items():

@@ -26,8 +26,9 @@ ON_FAILURE = ("zero", "drop")  # rewards[i].on_failure: a failed sample scores 0
 # keyword names the scorer itself passes (completion_tokens, max_new_tokens and prompt when the caller knows them:
 # grpo train, grpo eval; tool_calls in a tool run; environment_state and environment_reward with an environment)
 RESERVED = ("completions", "answer_format", "completion_tokens", "max_new_tokens", "prompt", "tool_calls",
-            "environment_state", "environment_reward")
-TOOL_RUN_ONLY = ("tool_calls", "environment_state", "environment_reward")  # a tool run's only; reserved when passed
+            "environment_state", "environment_reward", "trajectory", "trajectory_tokens", "max_trajectory_tokens")
+TOOL_RUN_ONLY = ("tool_calls", "environment_state", "environment_reward", "trajectory",
+                 "trajectory_tokens")  # a tool run's only; reserved when passed
 
 
 @dataclass(frozen=True)

@@ -121,6 +121,9 @@ class SampleContext(NamedTuple):
     prompts: list[str] | None = None  # the question each completion answers, passed as `prompt`
     tool_calls: list[list[dict]] | None = None  # a tool run: each trajectory's calls (tool, argument, result, ok)
     environment: tuple[list, list] | None = None  # with an environment: ([N] its state, [N] its reward())
+    trajectories: list[str] | None = None  # a tool run: the whole trajectory's text, the tools' replies in it
+    trajectory_tokens: list[int] | None = None  # a tool run: the whole trajectory's token counts
+    max_trajectory_tokens: int | None = None  # a tool run: the trajectory cap (rollout.max_trajectory_tokens)
 
 
 NO_CONTEXT = SampleContext()  # a scoring that knows only the texts and the columns
@@ -141,7 +144,8 @@ def score(rewards: list[WeightedReward], completions: list, columns: dict[str, l
     """
     n = len(completions)
     states, env_rewards = context.environment if context.environment is not None else (None, None)
-    passed = {"tool_calls": context.tool_calls, "environment_state": states, "environment_reward": env_rewards}
+    passed = {"tool_calls": context.tool_calls, "environment_state": states, "environment_reward": env_rewards,
+              "trajectory": context.trajectories, "trajectory_tokens": context.trajectory_tokens}
     reserved = [name for name in RESERVED if name not in TOOL_RUN_ONLY or passed[name] is not None]
     for name, values in columns.items():
         if name in reserved:
@@ -152,7 +156,8 @@ def score(rewards: list[WeightedReward], completions: list, columns: dict[str, l
     failures = failures if failures is not None else RewardFailures()
     extra = (("completion_tokens", context.completion_tokens), ("prompt", context.prompts), *passed.items())
     per_sample = {**columns, **{k: v for k, v in extra if v is not None}}
-    fixed = {"answer_format": answer_format, **({"max_new_tokens": max_new_tokens} if max_new_tokens else {})}
+    fixed = {"answer_format": answer_format, **({"max_new_tokens": max_new_tokens} if max_new_tokens else {}),
+             **({"max_trajectory_tokens": context.max_trajectory_tokens} if context.max_trajectory_tokens else {})}
     per_function, dropped = {}, [False] * n
     for r in rewards:
         per_function[r.name], failed = _call_reward(r, completions, per_sample, fixed, failures,

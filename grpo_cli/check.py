@@ -142,11 +142,15 @@ def sandbox_lines(cfg: TrainConfig) -> list[str]:
     check, as it would fail the run (docs/sandbox.md). A custom tool's module is imported by the run, not here."""
     out = []
     for i, spec in enumerate(cfg.rollout.tools):
-        if runs_untrusted_code(BUILTIN_TOOLS.get(spec.function)) and spec.sandbox == "bwrap":
+        if runs_untrusted_code(BUILTIN_TOOLS.get(spec.function)) and spec.sandbox != "none":
             require_sandbox(f"rollout.tools[{i}]")
             out.append(f"rollout.tools[{i}] ({spec.function}): model-written code runs in the sandbox (bwrap: no "
                        f"network, no host files or processes; {PYTHON_MEMORY_BYTES // 2**20} MiB and "
                        f"{PYTHON_PROCESSES} processes a call, all together)")
+        elif spec.sandbox == "bwrap":
+            require_sandbox(f"rollout.tools[{i}]", opt_out="auto")
+            out.append(f"rollout.tools[{i}] ({spec.function}): its worker lives in a sandbox (bwrap: no network, no "
+                       "host files but its code's, no host processes; 512 MiB and 32 processes)")
     return out
 
 

@@ -119,7 +119,7 @@ class ToolSpec:
     open: str | None = None  # what the model writes before the call's argument; None = "<NAME>" (NAME: the function's name)
     close: str | None = None  # what ends the call (and the model's turn); None = "</NAME>"
     timeout_s: float | None = 10.0  # time limit per call, in a worker process killed on overrun; None = in-process, no limit
-    sandbox: str = "bwrap"  # a tool that runs model-written code (the built-in python): "bwrap" (docs/sandbox.md) | "none" (as the trainer's user; warned)
+    sandbox: str = "auto"  # "auto": a tool that runs model-written code (the built-in python) runs it in the sandbox, others as the trainer's user | "bwrap": every tool in it (another tool's worker lives in one; docs/sandbox.md) | "none": model-written code as the trainer's user (warned)
 
 
 @dataclass
@@ -232,8 +232,8 @@ class RolloutConfig:
             _require(len(self.tool_result_tags) == 2, "rollout.tool_result_tags",
                      f"has {len(self.tool_result_tags)} strings; give two, e.g. ['<result>', '</result>']")
             for i, spec in enumerate(self.tools):
-                _require(spec.sandbox in ("bwrap", "none"), f"rollout.tools[{i}].sandbox",
-                         f"'{spec.sandbox}' is not one of bwrap, none")
+                _require(spec.sandbox in ("auto", "bwrap", "none"), f"rollout.tools[{i}].sandbox",
+                         f"'{spec.sandbox}' is not one of auto, bwrap, none")
             _require(self.tensor_parallel_size == 1, "rollout.tensor_parallel_size",
                      "tools run on each rank, and ranks sharing a tensor-parallel engine must submit the same "
                      "requests; set it to 1 with tools")

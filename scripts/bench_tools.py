@@ -3,7 +3,7 @@
 
     python scripts/bench_tools.py                  # 20 steps each (about 4 minutes on 2 cores)
     python scripts/bench_tools.py --steps 10 --out tools.json
-    python scripts/bench_tools.py --concurrency --steps 8   # about 5 minutes on 2 cores
+    python scripts/bench_tools.py --concurrency --steps 12  # about 12 minutes on 2 cores
 
 Runs `grpo train recipe=bike_pricing` twice in subprocesses, one after the other (nothing else
 shares the CPU): as shipped, and with the calculator as a tool the shipped model already "calls"
@@ -16,13 +16,14 @@ seconds per step and per phase (medians), the model's tokens per step, seconds o
 The figure the tools design aims at (docs/tools.md): the tool step's generation time per model
 token at most 1.25x the single-turn step's. No assertion on timings: a measuring tool, not a test.
 
---concurrency runs `grpo train recipe=bike_pricing_tools` three times: with its calculator as shipped
-(in process); with `sleepy_calculator` below, which sleeps 2 s first on one call in ten (the argument's
+--concurrency runs `grpo train recipe=bike_pricing_tools` five times: with its calculator as shipped
+(in process), in worker processes, and in worker processes that live in the sandbox (`sandbox: bwrap`,
+docs/sandbox.md); with `sleepy_calculator` below, which sleeps 2 s first on one call in ten (the argument's
 CRC-32 decides, so the same calls sleep in every run) in its workers; and with `always_late`, which
 sleeps past its 1 s limit on every call, under a 5 s tool budget per step. It prints seconds per step
 (median over steps 2..STEPS) and the logged tool time, timeouts, budget cuts and cut trajectories.
-The targets (docs/tools.md): the sleepy step at most 2 s + 1.3x the plain step; the hanging tool's
-step within the budget plus the plain step.
+The targets (docs/tools.md): the sandboxed calculator's step at most 1.3x the in-process one; the sleepy
+step at most 2 s + 1.3x the plain step; the hanging tool's step within the budget plus the plain step.
 """
 
 from __future__ import annotations
@@ -44,11 +45,13 @@ SUBTOTAL_TOOL = ["rollout.tools=[{function:calculator,open:'subtotal: ',close:' 
 
 
 # The concurrency runs' tools (imported by name from this file: scripts/ is put on the trainer's path)
-CALC = "rollout.tools=[{{function:'{}',open:'<calc>',close:'</calc>',timeout_s:{}}}]"
+CALC = "rollout.tools=[{{function:'{}',open:'<calc>',close:'</calc>',timeout_s:{}{}}}]"
 CONCURRENCY = {
-    "calculator": [CALC.format("calculator", "null")],
-    "sleepy 1 in 10": [CALC.format("bench_tools:sleepy_calculator", 10)],
-    "always late": [CALC.format("bench_tools:always_late", 1), "rollout.tool_budget_s=5"],
+    "calculator": [CALC.format("calculator", "null", "")],
+    "calc in workers": [CALC.format("calculator", 10, "")],
+    "calc sandboxed": [CALC.format("calculator", 10, ",sandbox:bwrap")],
+    "sleepy 1 in 10": [CALC.format("bench_tools:sleepy_calculator", 10, "")],
+    "always late": [CALC.format("bench_tools:always_late", 1, ""), "rollout.tool_budget_s=5"],
 }
 
 
@@ -106,10 +109,13 @@ def concurrency(steps: int, only: str | None = None, overrides: list[str] = ()) 
     if len(results) < len(CONCURRENCY):
         return results
     plain = results[0]["s_per_step"]
-    print(f"sleepy: {results[1]['s_per_step']:.2f} s/step against the target 2 + 1.3 x {plain:.2f} = "
+    print(f"calculator in sandboxed workers: {results[2]['s_per_step'] / plain:.2f}x the in-process step (target "
+          f"1.3x); in plain workers {results[1]['s_per_step'] / plain:.2f}x")
+    sleepy, late = results[3], results[4]
+    print(f"sleepy: {sleepy['s_per_step']:.2f} s/step against the target 2 + 1.3 x {plain:.2f} = "
           f"{2 + 1.3 * plain:.2f} s (a trajectory whose calls sleep twice waits 4 s itself: less its own wait, "
-          f"{results[1]['s_per_step_less_wait']:.2f} s against 1.3 x {plain:.2f} = {1.3 * plain:.2f}); always late: {results[2]['max_s_per_step']:.2f} s at most, budget 5 s + "
-          f"{plain:.2f} s")
+          f"{sleepy['s_per_step_less_wait']:.2f} s against 1.3 x {plain:.2f} = {1.3 * plain:.2f}); always late: "
+          f"{late['max_s_per_step']:.2f} s at most, budget 5 s + {plain:.2f} s")
     return results
 
 

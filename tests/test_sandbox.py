@@ -1,7 +1,8 @@
-"""The `python` tool's sandbox against hostile code (tier 1: a second or so a call; docs/sandbox.md).
+"""The sandbox against hostile code: the `python` tool's, a call at a time, and a trusted tool's worker in one
+(`sandbox: bwrap`), tier 1: a second or so a call; docs/sandbox.md.
 
 Each test is an attack a policy could learn, written as the model would write it, run through the tool as a
-run loads it (`load_tools`, the default `sandbox: bwrap`). Each failed against the unsandboxed tool
+run loads it (`load_tools`, the default `sandbox: auto`). Each failed against the unsandboxed tool
 (`python_unsandboxed`, the tool before issue 36): the file read, the write, the environment, the loopback
 connection, the signal, the process list, the double-fork escape, the bounded fork bomb and the memory of
 many processes.
@@ -260,8 +261,84 @@ def test_grpo_check_shows_the_sandbox_and_fails_closed_without_it(cli, monkeypat
     tools = "rollout.tools=[{function:python}]"
     shown = cli("check", "recipe=bike_pricing_tools", tools)
     assert shown.returncode == 0 and "rollout.tools[0] (python): model-written code runs in the sandbox" in shown.stdout
+    worker = cli("check", "recipe=bike_pricing_tools", "rollout.tools=[{function:calculator,sandbox:bwrap}]")
+    assert worker.returncode == 0 and "rollout.tools[0] (calculator): its worker lives in a sandbox" in worker.stdout
     monkeypatch.setattr(sandbox, "problem", lambda: "bwrap (bubblewrap) is not on PATH")
     refused = cli("check", "recipe=bike_pricing_tools", tools)
     assert refused.returncode == 2 and "set rollout.tools[0].sandbox=none" in refused.stdout + refused.stderr
     bare = cli("check", "recipe=bike_pricing_tools", "rollout.tools=[{function:python,sandbox:none}]")
     assert bare.returncode == 0 and "warning: rollout.tools[0].sandbox=none: python runs model-written code" in bare.stdout
+    boxed = cli("check", "recipe=bike_pricing_tools", "rollout.tools=[{function:calculator,sandbox:bwrap}]")
+    assert boxed.returncode == 2 and "set rollout.tools[0].sandbox=auto" in boxed.stdout + boxed.stderr
+
+
+# ------------------------------------------------------- a trusted tool's worker in the sandbox (sandbox: bwrap)
+
+
+def snoops(argument):
+    """A trusted tool gone wrong (its parser exploited, say): what it can reach from its worker."""
+    import json
+    import os
+    import socket
+
+    host, port, secret = argument.split("|")
+    seen = {"uid": os.getuid(), "processes": sum(p.isdigit() for p in os.listdir("/proc")),
+            "home": os.path.exists(os.path.expanduser("~root")) and os.listdir("/root") != [],
+            "secret": os.path.exists(secret), "own_module": os.path.exists(__file__)}
+    try:
+        socket.create_connection((host, int(port)), timeout=2).sendall(b"leak")
+        seen["network"] = "connected"
+    except OSError as e:
+        seen["network"] = type(e).__name__
+    try:
+        with open(__file__, "a") as f:
+            f.write("# tampered\n")
+        seen["tamper"] = "written"
+    except OSError as e:
+        seen["tamper"] = type(e).__name__
+    return json.dumps(seen)
+
+
+def test_a_trusted_tools_worker_in_the_sandbox_reaches_nothing_of_the_host(tmp_path):
+    """With `sandbox: bwrap` a tool that is not model-written code still gets its worker in a sandbox: the
+    model's arguments reach it, so a tool that can be made to misbehave reads no host file but its own code,
+    writes none, connects nowhere and sees no host process. Before, the key was accepted and ignored."""
+    secret = tmp_path / "heldout_answers.jsonl"
+    secret.write_text('{"answer": 42}\n')
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    server.setblocking(False)
+    (tool,) = load_tools([ToolSpec(function="test_sandbox:snoops", timeout_s=30, sandbox="bwrap")])
+    try:
+        assert type(tool.worker) is sandbox.SandboxedWorker
+        result = call_tool(tool, f"127.0.0.1|{server.getsockname()[1]}|{secret}")
+        with pytest.raises(BlockingIOError):  # nothing knocked
+            server.accept()
+    finally:
+        server.close()
+        tool.worker.close()
+    assert result.ok, result.text
+    seen = json.loads(result.text)
+    assert seen["uid"] == 65534 and seen["processes"] <= 3 and not seen["secret"] and not seen["home"]
+    assert seen["own_module"] and seen["tamper"] != "written" and seen["network"] != "connected"
+    assert not Path(__file__).read_text().endswith("# tampered\n")
+
+
+def test_a_sandboxed_worker_answers_like_a_plain_one_and_dies_whole_on_its_timeout():
+    (boxed,) = load_tools([ToolSpec(function="calculator", timeout_s=10, sandbox="bwrap")])
+    (slow,) = load_tools([ToolSpec(function="test_tools:sleeps", open="<s>", close="</s>", timeout_s=1.0,
+                                   sandbox="bwrap")])
+    try:
+        assert [call_tool(boxed, e).text for e in ("3 * 18.5", "1/0", "2 ** 9")] == \
+            ["55.50", calculator_error := "error: not an arithmetic expression (numbers, + - * / and parentheses)",
+             calculator_error]
+        late = call_tool(slow, "x")
+        assert late.failure == "timeout" and slow.worker.process is None and slow.worker.group is None
+        assert call_tool(boxed, "1 + 1").text == "2.00"
+    finally:
+        boxed.worker.close()
+        slow.worker.close()
+    with pytest.raises(UsageError, match=r"rollout.tools\[0\].sandbox: bwrap runs the tool in a worker process "
+                                         r"inside the sandbox; give it a rollout.tools\[0\].timeout_s"):
+        load_tools([ToolSpec(function="calculator", timeout_s=None, sandbox="bwrap")])

@@ -65,6 +65,10 @@ class RewardWorker:
         self.conn: Any = None
         self.starts = 0  # worker processes started so far (a restart loses what the last one held)
 
+    def twin(self, name: str) -> RewardWorker:
+        """Another worker of the same function and limit (the tool pool runs several side by side)."""
+        return RewardWorker(name, self.fn, self.timeout_s)
+
     def _start(self) -> tuple[str, Any] | None:
         """Start the worker; None when it is ready, else the failure to report."""
         self.starts += 1

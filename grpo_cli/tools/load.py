@@ -63,11 +63,17 @@ def _load_function(name: str, where: str) -> ToolFn:
 def _sandboxed(fn: ToolFn, spec: Any, where: str) -> ToolFn:
     """A tool that runs model-written code (it says so with `untrusted_code = True`, as the built-in python does)
     runs it in the sandbox, which must be makeable here; `sandbox: none` is the built-in's unsandboxed twin,
-    with a warning. Fails closed, naming the key."""
+    with a warning. Another tool with `sandbox: bwrap` gets its worker in a sandbox (load_tools). Fails
+    closed, naming the key."""
     if not runs_untrusted_code(fn):
         if spec.sandbox == "none":
             raise UsageError(f"{where}.sandbox: none applies to a tool that runs model-written code (the built-in "
                              f"python); '{spec.function}' declares none")
+        if spec.sandbox == "bwrap":
+            if spec.timeout_s is None:
+                raise UsageError(f"{where}.sandbox: bwrap runs the tool in a worker process inside the sandbox; give "
+                                 f"it a {where}.timeout_s (it is null)")
+            require_sandbox(where, opt_out="auto")
         return fn
     if spec.sandbox == "none":
         if spec.function not in UNSANDBOXED_TOOLS:
@@ -80,11 +86,13 @@ def _sandboxed(fn: ToolFn, spec: Any, where: str) -> ToolFn:
     return fn
 
 
-def require_sandbox(where: str) -> None:
-    """Fail closed, at the edge: the sandbox cannot be made on this machine (the line names the opt-out key)."""
+def require_sandbox(where: str, opt_out: str = "none") -> None:
+    """Fail closed, at the edge: the sandbox cannot be made on this machine (the line names the opt-out key:
+    `none` for model-written code, `auto` for another tool's worker)."""
     if (why := sandbox.problem()) is not None:
-        raise UsageError(f"{where}.sandbox: the sandbox for model-written code cannot be made here: {why}; set "
-                         f"{where}.sandbox=none to run it unsandboxed (docs/sandbox.md)")
+        what = "the sandbox for model-written code" if opt_out == "none" else "the sandbox for this tool's worker"
+        raise UsageError(f"{where}.sandbox: {what} cannot be made here: {why}; set {where}.sandbox={opt_out} to run "
+                         "it unsandboxed (docs/sandbox.md)")
 
 
 def _check_signature(fn: ToolFn, where: str) -> None:
@@ -118,15 +126,16 @@ def tool_schemas(tools: list[LoadedTool]) -> list[dict] | None:
 def load_tools(specs: list, tool_format: str = "tags", environment: Any = None) -> list[LoadedTool]:
     """The recipe's `rollout.tools` (ToolSpec) and `rollout.environment` (EnvironmentSpec: its methods) ->
     loaded tools, for `rollout.tool_format`. Fails at the edge, naming the key."""
-    candidates = []  # (where, name, fn, open, close, timeout_s, environment)
+    candidates = []  # (where, name, fn, open, close, timeout_s, environment, its worker in a sandbox)
     for i, spec in enumerate(specs):
         fn = _sandboxed(_load_function(spec.function, f"rollout.tools[{i}].function"), spec, f"rollout.tools[{i}]")
-        candidates.append((f"rollout.tools[{i}]", spec.function, fn, *call_strings(spec), spec.timeout_s, None))
+        boxed = spec.sandbox == "bwrap" and not runs_untrusted_code(fn)
+        candidates.append((f"rollout.tools[{i}]", spec.function, fn, *call_strings(spec), spec.timeout_s, None, boxed))
     env, methods = load_environment(environment, tool_format) if environment is not None else (None, [])
     for method, stand_in, open_, close in methods:
-        candidates.append((f"rollout.environment ({method})", method, stand_in, open_, close, None, env))
+        candidates.append((f"rollout.environment ({method})", method, stand_in, open_, close, None, env, False))
     loaded, seen, names = [], set(), set()
-    for where, name, fn, open_, close, timeout_s, env in candidates:
+    for where, name, fn, open_, close, timeout_s, env, boxed in candidates:
         schema = None
         if tool_format == "chat":
             schema = tool_schema(fn, f"{where}.function" if env is None else where)
@@ -148,7 +157,8 @@ def load_tools(specs: list, tool_format: str = "tags", environment: Any = None) 
         if timeout_s is not None:
             import functools
 
-            worker = RewardWorker(f"tool-{short}", functools.partial(call_each, tool=fn), float(timeout_s))
+            kind = sandbox.SandboxedWorker if boxed else RewardWorker
+            worker = kind(f"tool-{short}", functools.partial(call_each, tool=fn), float(timeout_s))
         loaded.append(LoadedTool(name, fn, open_, close, timeout_s, worker, schema, env,
                                  idle=[worker] if worker is not None else []))
     return loaded

@@ -24,7 +24,6 @@ import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from grpo_cli.rewards.worker import RewardWorker
 from grpo_cli.tools.load import LoadedTool, ToolResult, call_tool
 
 JOIN_WAIT_S = 0.02  # how long the loop waits, after an engine step, for the calls that step submitted
@@ -60,17 +59,16 @@ class ToolPool:
             self.started = True
         self.jobs.put(job)
 
-    def checkout(self, tool: LoadedTool) -> RewardWorker:
+    def checkout(self, tool: LoadedTool) -> Any:
         """An idle worker process of `tool` (its own first, then spares, started on demand: at most one per
         thread); give it back with `checkin`."""
         with self.lock:
             if tool.idle:
                 return tool.idle.pop()
-            tool.spares.append(RewardWorker(f"{tool.worker.name}-{len(tool.spares) + 1}", tool.worker.fn,
-                                            tool.worker.timeout_s))
+            tool.spares.append(tool.worker.twin(f"{tool.worker.name}-{len(tool.spares) + 1}"))
             return tool.spares[-1]
 
-    def checkin(self, tool: LoadedTool, worker: RewardWorker) -> None:
+    def checkin(self, tool: LoadedTool, worker: Any) -> None:
         with self.lock:
             tool.idle.append(worker)
 

@@ -27,7 +27,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 SANDBOX_UID = 65534  # "nobody": the code's uid and gid inside its user namespace
 CGROUP_FS = Path("/sys/fs/cgroup")
@@ -248,3 +248,144 @@ def problem() -> str | None:
         why = " ".join(out.stderr.split())[:160] or f"exit code {finished.exit_code}"
         return f"bwrap cannot start a sandbox here ({why}); user namespaces may be off"
     return None
+
+
+# ------------------------------------------------------------------------------- a tool's worker inside
+
+
+# The worker's loop inside the sandbox: length-prefixed pickles in on stdin, out on the fd stdout was (the tool's
+# own prints go to stderr, so they cannot break the frames). It imports the function by module and name.
+_WORKER_BOOT = """import os, pickle, struct, sys
+sys.path[:0] = pickle.loads(bytes.fromhex(sys.argv[1]))
+out = os.fdopen(os.dup(1), "wb")
+os.dup2(2, 1)
+src = os.fdopen(0, "rb")
+def read():
+    head = src.read(4)
+    if len(head) < 4:
+        sys.exit(0)
+    return pickle.loads(src.read(struct.unpack("<I", head)[0]))
+def write(value):
+    data = pickle.dumps(value)
+    out.write(struct.pack("<I", len(data)) + data)
+    out.flush()
+from grpo_cli.rewards.worker import call_in_process
+fn = read()
+write(("ready", None))
+while True:
+    completions, kwargs = read()
+    result = call_in_process(fn, completions, kwargs)
+    try:
+        write(result)
+    except Exception as e:
+        write(("type", f"returned values that cannot be sent back: {type(e).__name__}"))
+"""
+WORKER_LIMITS = Limits(wall_s=0.0, memory_bytes=512 * 2**20, processes=32)  # wall time: per call, the tool's
+
+
+def _import_roots(fn: Any) -> list[str]:
+    """The folders to bind read-only so `fn` (pickled by reference) imports inside: grpo_cli's, the site-packages
+    of this interpreter, and the one holding the function's top-level module or package."""
+    roots = [str(Path(__file__).resolve().parents[2])]  # the folder holding grpo_cli
+    roots += [p for p in sys.path if p and "site-packages" in p and Path(p).is_dir()]
+    functions = [fn, getattr(fn, "func", None), *getattr(fn, "keywords", {}).values()]  # a partial's parts too
+    for name in {getattr(f, "__module__", None) for f in functions if callable(f)} - {None}:
+        top = sys.modules.get(name.split(".")[0])
+        if (where := getattr(top, "__file__", None)) is not None:
+            path = Path(where).resolve()
+            roots.append(str(path.parent.parent if path.name == "__init__.py" else path.parent))
+    return list(dict.fromkeys(os.path.realpath(r) for r in roots))
+
+
+class SandboxedWorker:
+    """A tool's worker process (the RewardWorker protocol: call, kill, close) running inside the sandbox for its
+    whole life: a trusted tool the model's arguments reach (rollout.tools[i].sandbox=bwrap), so one it can be
+    made to misbehave still sees no network, no host file but its code's, and no host process, under a cgroup
+    of 512 MiB and 32 processes. Started on the first call; a call over its time limit kills the sandbox."""
+
+    def __init__(self, name: str, fn: Any, timeout_s: float) -> None:
+        self.name, self.fn, self.timeout_s = name, fn, timeout_s
+        self.process: Any = None
+        self.group: CallGroup | None = None
+        self.starts = 0
+
+    def twin(self, name: str) -> SandboxedWorker:
+        return SandboxedWorker(name, self.fn, self.timeout_s)
+
+    def _send(self, value: Any) -> None:
+        import pickle
+        import struct
+
+        data = pickle.dumps(value)
+        self.process.stdin.write(struct.pack("<I", len(data)) + data)
+        self.process.stdin.flush()
+
+    def _receive(self, timeout_s: float) -> Any:
+        """The next frame, or TimeoutError; EOFError when the worker died."""
+        import pickle
+        import select
+        import struct
+
+        out = self.process.stdout
+        if not select.select([out], [], [], timeout_s)[0]:
+            raise TimeoutError
+        head = out.read(4)
+        if len(head) < 4:
+            raise EOFError
+        return pickle.loads(out.read(struct.unpack("<I", head)[0]))
+
+    def _start(self) -> tuple[str, Any] | None:
+        import pickle
+
+        self.starts += 1
+        roots = _import_roots(self.fn)
+        binds = [arg for root in roots for arg in ("--ro-bind", root, root)]
+        try:
+            self.group = CallGroup(WORKER_LIMITS)
+            argv = bwrap_argv([interpreter(), "-I", "-S", "-c", _WORKER_BOOT, pickle.dumps(roots).hex()])
+            at = argv.index("--")
+            command = self.group.join_prefix() + argv[:at] + binds + argv[at:]
+            self.process = subprocess.Popen(command, env={}, cwd="/", stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                            stderr=subprocess.DEVNULL, start_new_session=True, bufsize=0)
+            self._send(self.fn)
+            tag, reason = self._receive(120.0)
+        except (OSError, EOFError, TimeoutError, pickle.PickleError) as e:
+            self.kill()
+            return "raised", f"its sandboxed worker did not start ({type(e).__name__}: {' '.join(str(e).split())[:160]})"
+        return None if tag == "ready" else (tag, reason)
+
+    def call(self, completions: list, kwargs: dict[str, Any], timeout_s: float | None = None) -> tuple[str, Any]:
+        """As RewardWorker.call: ("ok", values) | ("raised" | "type" | "timeout", reason)."""
+        if self.process is None or self.process.poll() is not None:
+            if (failure := self._start()) is not None:
+                return failure
+        limit = timeout_s or self.timeout_s
+        try:
+            self._send((completions, kwargs))
+            return self._receive(limit)
+        except TimeoutError:
+            self.kill()
+            return "timeout", f"timed out after {limit:g} s (worker killed)"
+        except (OSError, EOFError):
+            oom = self.group is not None and self.group.oom_killed()
+            self.kill()
+            return "raised", "its sandboxed worker died" + (" at its memory limit" if oom else "")
+        except Exception as e:  # noqa: BLE001 - inputs or a result pickle cannot carry
+            self.kill()
+            return "type", f"its call could not be passed to or from the sandbox: {type(e).__name__}"
+
+    def kill(self) -> None:
+        if self.process is not None:
+            try:
+                os.killpg(self.process.pid, 9)  # bwrap; the sandbox's PID 1 dies with it
+            except (ProcessLookupError, PermissionError):
+                pass
+            self.process.wait()
+            self.process = None
+        if self.group is not None:
+            self.group.kill_all()
+            self.group.remove()
+            self.group = None
+
+    def close(self) -> None:
+        self.kill()

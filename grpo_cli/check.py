@@ -14,7 +14,9 @@ from typing import Any
 from grpo_cli.checkpoint import resolve_model_path
 from grpo_cli.config import TrainConfig
 from grpo_cli.engines.options import ENGINE_WORKSPACE_GIB, adapter_sleep_level
+from grpo_cli.errors import UsageError
 from grpo_cli.tools.builtin import BUILTIN_TOOLS, PYTHON_MEMORY_BYTES, PYTHON_PROCESSES, runs_untrusted_code
+from grpo_cli.tools.chat import call_syntax_problem, template_source
 from grpo_cli.tools.load import call_strings, require_sandbox
 
 FP32_BYTES = 4
@@ -117,10 +119,22 @@ def staleness_lines(cfg: TrainConfig) -> list[str]:
 
 
 def tool_lines(cfg: TrainConfig) -> list[str]:
-    """A tool run's budgets: the tools and their call strings, the turn, call and token caps."""
+    """A tool run's budgets: the tools and their call strings, the turn, call and token caps; with the chat
+    format, whether its calls can be read off the model's chat template (a template whose calls cannot be is
+    refused here, as the run refuses it, rather than trained with zero calls)."""
     r = cfg.rollout
     if not r.multi_turn:
         return []
+    syntax = []
+    if r.tool_format == "chat":
+        try:
+            template = template_source(resolve_model_path(cfg.model.name_or_path))
+        except FileNotFoundError:  # a hub model not downloaded yet: the run checks it when it loads the tokenizer
+            syntax = ["tool calls: the chat template is read when the run loads the tokenizer (no local copy)"]
+        else:
+            if (why := call_syntax_problem(template)) is not None:
+                raise UsageError(f"rollout.tool_format: chat cannot read this model's tool calls: {why}")
+            syntax = ["tool calls: the chat template shows <tool_call>{...}</tool_call>, parsed one call a turn"]
 
     tools = ", ".join(f"{spec.function} ({call_strings(spec)[0]}...)" for spec in r.tools) or "none"
     env = r.environment
@@ -134,7 +148,7 @@ def tool_lines(cfg: TrainConfig) -> list[str]:
             f"tool calls: up to {r.tool_workers} at once beside decoding (rollout.tool_workers); "
             + (f"{r.tool_budget_s:g} s of tool time per step (rollout.tool_budget_s)" if r.tool_budget_s else
                "no tool time budget per step")
-            + f"; a trajectory is cut at {r.max_tool_timeouts} calls out of time (rollout.max_tool_timeouts)"]
+            + f"; a trajectory is cut at {r.max_tool_timeouts} calls out of time (rollout.max_tool_timeouts)", *syntax]
 
 
 def sandbox_lines(cfg: TrainConfig) -> list[str]:

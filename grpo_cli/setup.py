@@ -54,6 +54,7 @@ from grpo_cli.runtime import cpu_threads, set_threads
 from grpo_cli.state import RunState, Start, Task
 from grpo_cli.sync import push
 from grpo_cli.tools import load_tools
+from grpo_cli.tools.chat import ChatFormat
 from grpo_cli.tools.environment import check_rows
 from grpo_cli.tools.load import environment_of
 
@@ -103,6 +104,8 @@ def preflight(cfg: TrainConfig) -> Task:
     check_tool_run(tools, reward_fns, {"train": train_rows, "held-out": heldout_rows})
     task = Task(train_rows, heldout_rows, reward_fns, model_path, load_tokenizer(model_path), cfg.data, tools)
     check_prompt_lengths(task, cfg)
+    if tools and cfg.rollout.tool_format == "chat":  # its tool role and its call syntax, before any model loads
+        ChatFormat.from_tokenizer(task.tokenizer, {t.schema["function"]["name"]: t.name for t in tools})
     return task
 
 

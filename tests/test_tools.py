@@ -1054,3 +1054,38 @@ def test_a_generate_that_fails_half_way_drops_its_instances_in_the_environments_
                CAPS).generate([[1]], Sampling(1, 1.0, 1.0, 48), [7], [{"answer": "1", "question": "Q"}])
     assert env.worker.call([(FORGET, [])], {}) == ("ok", [0])  # the worker holds no instance of it
     env.close()
+
+
+# ------------------------------------------------------------------ a chat template whose calls cannot be read
+
+MISTRAL_LIKE = ("{% for m in messages %}{% if m['role'] == 'tool' %}[TOOL_RESULTS]{{ m['content'] }}[/TOOL_RESULTS]"
+                "{% else %}{{ m['content'] }}{% endif %}{% endfor %}{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}"
+                "[/AVAILABLE_TOOLS] call them as [TOOL_CALLS] [{...}]{% endif %}")
+
+
+def test_a_chat_template_of_another_call_syntax_is_refused_not_run_with_zero_calls(tmp_path, cli,
+                                                                                    tiny_tool_model_dir):
+    import shutil
+
+    from conftest import TOOL_CHAT_TEMPLATE, tool_chat_tokenizer
+
+    from grpo_cli.tools.chat import ChatFormat, call_syntax_problem
+
+    assert call_syntax_problem(TOOL_CHAT_TEMPLATE) is None
+    assert "Mistral's [TOOL_CALLS] list" in call_syntax_problem(MISTRAL_LIKE)
+    assert "Llama 3's bare JSON object" in call_syntax_problem("{{ '<|python_tag|>' }}{{ messages | tojson }}")
+    assert "never shows the model a <tool_call>" in call_syntax_problem("{{ messages[0]['content'] }}")
+    tokenizer = tool_chat_tokenizer()
+    tokenizer.chat_template = MISTRAL_LIKE
+    with pytest.raises(UsageError, match=r"rollout.tool_format: chat cannot read this model's tool calls: its chat "
+                                         r"template shows the model Mistral's \[TOOL_CALLS\] list"):
+        ChatFormat.from_tokenizer(tokenizer, {"calculator": "calculator"})
+    shown = cli("check", "recipe=gsm8k_tools", f"model.name_or_path={tiny_tool_model_dir}")
+    assert shown.returncode == 0 and "the chat template shows <tool_call>{...}</tool_call>" in shown.stdout
+    other = tmp_path / "mistral_like"
+    shutil.copytree(tiny_tool_model_dir, other)
+    config = json.loads((other / "tokenizer_config.json").read_text())
+    (other / "chat_template.jinja").unlink(missing_ok=True)
+    (other / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": MISTRAL_LIKE}))
+    refused = cli("check", "recipe=gsm8k_tools", f"model.name_or_path={other}")
+    assert refused.returncode == 2 and "Mistral's [TOOL_CALLS] list" in refused.stdout + refused.stderr

@@ -22,6 +22,42 @@ CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 _MODEL_MARK, _RESULT_MARK = "\u2063MODEL\u2063", "\u2063RESULT\u2063"  # invisible separators no template writes
 
 
+# Other families' native call syntax, as their templates show it: not parsed here (one call per turn in
+# <tool_call> tags is). A template showing one of them, or none, is refused rather than run with zero calls.
+_OTHER_SYNTAX = (("[TOOL_CALLS]", "Mistral's [TOOL_CALLS] list"),
+                 ("<|python_tag|>", "Llama 3's bare JSON object {\"name\": ..., \"parameters\": ...}"))
+
+
+def call_syntax_problem(template: str | None) -> str | None:
+    """Why the chat format cannot read the calls of a model with this chat template (its source), or None: it
+    must show the model the Hermes / Qwen2.5 `<tool_call>{...}</tool_call>` syntax, the one parsed."""
+    if not template:
+        return "the tokenizer has no chat template"
+    if CALL_OPEN in template and CALL_CLOSE in template:
+        return None
+    shown = next((name for marker, name in _OTHER_SYNTAX if marker in template), None)
+    return (f"its chat template shows the model {shown}" if shown else
+            "its chat template never shows the model a <tool_call>...</tool_call> call") + \
+        ", and only the Hermes / Qwen2.5 <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call> syntax is parsed"
+
+
+def template_source(tokenizer_dir: Any) -> str | None:
+    """A local tokenizer's chat template as text, read off its files (no tokenizer loaded): tokenizer_config.json's
+    `chat_template` (text, or the named templates' texts together) or chat_template.jinja."""
+    from pathlib import Path
+
+    folder = Path(tokenizer_dir)
+    if (folder / "chat_template.jinja").is_file():
+        return (folder / "chat_template.jinja").read_text()
+    try:
+        template = json.loads((folder / "tokenizer_config.json").read_text()).get("chat_template")
+    except (OSError, ValueError):
+        return None
+    if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
+        return "\n".join(str(t.get("template", "")) for t in template if isinstance(t, dict))
+    return template if isinstance(template, str) else None
+
+
 def tool_schema(fn: Any, where: str) -> dict[str, Any]:
     """The JSON schema a chat template shows the model, from the function's type hints and docstring."""
     from transformers.utils import get_json_schema
@@ -56,7 +92,10 @@ class ChatFormat:
 
     @classmethod
     def from_tokenizer(cls, tokenizer: Any, names: dict[str, str]) -> ChatFormat:
-        return cls(names, *_reply_parts(tokenizer))
+        parts = _reply_parts(tokenizer)
+        if (why := call_syntax_problem(getattr(tokenizer, "chat_template", None))) is not None:
+            raise UsageError(f"rollout.tool_format: chat cannot read this model's tool calls: {why}")
+        return cls(names, *parts)
 
     @property
     def stops(self) -> list[str]:

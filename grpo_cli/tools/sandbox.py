@@ -253,10 +253,13 @@ def problem() -> str | None:
 # ------------------------------------------------------------------------------- a tool's worker inside
 
 
-# The worker's loop inside the sandbox: length-prefixed pickles in on stdin, out on the fd stdout was (the tool's
-# own prints go to stderr, so they cannot break the frames). It imports the function by module and name.
-_WORKER_BOOT = """import os, pickle, struct, sys
-sys.path[:0] = pickle.loads(bytes.fromhex(sys.argv[1]))
+# The worker's loop inside the sandbox: length-prefixed frames, pickles in on stdin (the trainer's), JSON out on
+# the fd stdout was (the tool's own prints go to stderr, so they cannot break the frames). What comes out of the
+# sandbox is never unpickled: a tool steered into running code there could otherwise run it in the trainer. A
+# value that is not text is reported as a "type" failure, the words call_tool uses for it. It imports the
+# function by module and name.
+_WORKER_BOOT = """import json, os, pickle, struct, sys
+sys.path[:0] = json.loads(sys.argv[1])
 out = os.fdopen(os.dup(1), "wb")
 os.dup2(2, 1)
 src = os.fdopen(0, "rb")
@@ -266,20 +269,20 @@ def read():
         sys.exit(0)
     return pickle.loads(src.read(struct.unpack("<I", head)[0]))
 def write(value):
-    data = pickle.dumps(value)
+    data = json.dumps(value).encode()
     out.write(struct.pack("<I", len(data)) + data)
     out.flush()
 from grpo_cli.rewards.worker import call_in_process
 fn = read()
-write(("ready", None))
+write(["ready", None])
 while True:
     completions, kwargs = read()
-    result = call_in_process(fn, completions, kwargs)
-    try:
-        write(result)
-    except Exception as e:
-        write(("type", f"returned values that cannot be sent back: {type(e).__name__}"))
+    tag, values = call_in_process(fn, completions, kwargs)
+    if tag == "ok" and (junk := next((v for v in values if not isinstance(v, str)), None)) is not None:
+        tag, values = "type", f"returned {type(junk).__name__}, not text"
+    write([tag, values])
 """
+MAX_FRAME_BYTES = 2**24  # a frame out of the sandbox longer than this is the worker's failure (results are cut to 4 KiB)
 WORKER_LIMITS = Limits(wall_s=0.0, memory_bytes=512 * 2**20, processes=32)  # wall time: per call, the tool's
 
 
@@ -320,21 +323,35 @@ class SandboxedWorker:
         self.process.stdin.write(struct.pack("<I", len(data)) + data)
         self.process.stdin.flush()
 
-    def _receive(self, timeout_s: float) -> Any:
-        """The next frame, or TimeoutError; EOFError when the worker died."""
-        import pickle
+    def _read(self, size: int, deadline: float) -> bytes:
+        """Exactly `size` bytes from the worker by `deadline`: TimeoutError past it (a worker that writes half a
+        frame and stops cannot stall the call), EOFError when it died."""
         import select
+
+        out, data = self.process.stdout, b""
+        while len(data) < size:
+            if not select.select([out], [], [], max(deadline - time.monotonic(), 0.0))[0]:
+                raise TimeoutError
+            chunk = out.read(size - len(data))  # unbuffered: what the pipe holds, up to that
+            if not chunk:
+                raise EOFError
+            data += chunk
+        return data
+
+    def _receive(self, timeout_s: float) -> tuple[str, Any]:
+        """The next frame, read as JSON (never unpickled: it comes from the sandbox), within `timeout_s`."""
+        import json
         import struct
 
-        out = self.process.stdout
-        if not select.select([out], [], [], timeout_s)[0]:
-            raise TimeoutError
-        head = out.read(4)
-        if len(head) < 4:
-            raise EOFError
-        return pickle.loads(out.read(struct.unpack("<I", head)[0]))
+        deadline = time.monotonic() + timeout_s
+        (size,) = struct.unpack("<I", self._read(4, deadline))
+        if size > MAX_FRAME_BYTES:
+            raise EOFError(f"a frame of {size} bytes")
+        tag, value = json.loads(self._read(size, deadline))
+        return str(tag), value
 
     def _start(self) -> tuple[str, Any] | None:
+        import json
         import pickle
 
         self.starts += 1
@@ -342,14 +359,14 @@ class SandboxedWorker:
         binds = [arg for root in roots for arg in ("--ro-bind", root, root)]
         try:
             self.group = CallGroup(WORKER_LIMITS)
-            argv = bwrap_argv([interpreter(), "-I", "-S", "-c", _WORKER_BOOT, pickle.dumps(roots).hex()])
+            argv = bwrap_argv([interpreter(), "-I", "-S", "-c", _WORKER_BOOT, json.dumps(roots)])
             at = argv.index("--")
             command = self.group.join_prefix() + argv[:at] + binds + argv[at:]
             self.process = subprocess.Popen(command, env={}, cwd="/", stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                             stderr=subprocess.DEVNULL, start_new_session=True, bufsize=0)
             self._send(self.fn)
             tag, reason = self._receive(120.0)
-        except (OSError, EOFError, TimeoutError, pickle.PickleError) as e:
+        except (OSError, EOFError, TimeoutError, ValueError, pickle.PickleError) as e:
             self.kill()
             return "raised", f"its sandboxed worker did not start ({type(e).__name__}: {' '.join(str(e).split())[:160]})"
         return None if tag == "ready" else (tag, reason)
@@ -362,7 +379,7 @@ class SandboxedWorker:
         limit = timeout_s or self.timeout_s
         try:
             self._send((completions, kwargs))
-            return self._receive(limit)
+            tag, value = self._receive(limit)
         except TimeoutError:
             self.kill()
             return "timeout", f"timed out after {limit:g} s (worker killed)"
@@ -370,9 +387,15 @@ class SandboxedWorker:
             oom = self.group is not None and self.group.oom_killed()
             self.kill()
             return "raised", "its sandboxed worker died" + (" at its memory limit" if oom else "")
-        except Exception as e:  # noqa: BLE001 - inputs or a result pickle cannot carry
+        except Exception as e:  # noqa: BLE001 - inputs pickle cannot carry, a frame that is not JSON
             self.kill()
             return "type", f"its call could not be passed to or from the sandbox: {type(e).__name__}"
+        well_formed = (isinstance(value, list) and len(value) == len(completions) and all(isinstance(v, str) for v in value)
+                       if tag == "ok" else tag in ("raised", "type") and isinstance(value, str))
+        if not well_formed:  # the bootstrap never writes such a frame: something else in the sandbox did
+            self.kill()
+            return "type", "its sandboxed worker sent a malformed answer (worker killed)"
+        return tag, value
 
     def kill(self) -> None:
         if self.process is not None:

@@ -14,9 +14,8 @@ from typing import Any
 from grpo_cli.checkpoint import resolve_model_path
 from grpo_cli.config import TrainConfig
 from grpo_cli.engines.options import ENGINE_WORKSPACE_GIB, adapter_sleep_level
-from grpo_cli.errors import UsageError
 from grpo_cli.tools.builtin import BUILTIN_TOOLS, PYTHON_MEMORY_BYTES, PYTHON_PROCESSES, runs_untrusted_code
-from grpo_cli.tools.chat import call_syntax_problem, template_source
+from grpo_cli.tools.chat import require_call_syntax, template_source
 from grpo_cli.tools.load import call_strings, require_sandbox
 
 FP32_BYTES = 4
@@ -132,8 +131,7 @@ def tool_lines(cfg: TrainConfig) -> list[str]:
         except FileNotFoundError:  # a hub model not downloaded yet: the run checks it when it loads the tokenizer
             syntax = ["tool calls: the chat template is read when the run loads the tokenizer (no local copy)"]
         else:
-            if (why := call_syntax_problem(template)) is not None:
-                raise UsageError(f"rollout.tool_format: chat cannot read this model's tool calls: {why}")
+            require_call_syntax(template)
             syntax = ["tool calls: the chat template shows <tool_call>{...}</tool_call>, parsed one call a turn"]
 
     tools = ", ".join(f"{spec.function} ({call_strings(spec)[0]}...)" for spec in r.tools) or "none"

@@ -41,6 +41,12 @@ def call_syntax_problem(template: str | None) -> str | None:
         ", and only the Hermes / Qwen2.5 <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call> syntax is parsed"
 
 
+def require_call_syntax(template: str | None) -> None:
+    """Refuse, naming the key, a chat template whose calls the chat format cannot read (call_syntax_problem)."""
+    if (why := call_syntax_problem(template)) is not None:
+        raise UsageError(f"rollout.tool_format: chat cannot read this model's tool calls: {why}")
+
+
 def template_source(tokenizer_dir: Any) -> str | None:
     """A local tokenizer's chat template as text, read off its files (no tokenizer loaded): tokenizer_config.json's
     `chat_template` (text, or the named templates' texts together) or chat_template.jinja."""
@@ -93,8 +99,7 @@ class ChatFormat:
     @classmethod
     def from_tokenizer(cls, tokenizer: Any, names: dict[str, str]) -> ChatFormat:
         parts = _reply_parts(tokenizer)
-        if (why := call_syntax_problem(getattr(tokenizer, "chat_template", None))) is not None:
-            raise UsageError(f"rollout.tool_format: chat cannot read this model's tool calls: {why}")
+        require_call_syntax(getattr(tokenizer, "chat_template", None))
         return cls(names, *parts)
 
     @property

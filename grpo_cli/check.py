@@ -15,7 +15,7 @@ from grpo_cli.checkpoint import resolve_model_path
 from grpo_cli.config import TrainConfig
 from grpo_cli.engines.options import ENGINE_WORKSPACE_GIB, adapter_sleep_level
 from grpo_cli.tools.builtin import BUILTIN_TOOLS, PYTHON_MEMORY_BYTES, PYTHON_PROCESSES, runs_untrusted_code
-from grpo_cli.tools.chat import require_call_syntax, template_source
+from grpo_cli.tools.chat import CALL_FORMS, call_syntax, template_source
 from grpo_cli.tools.load import call_strings, require_sandbox
 
 FP32_BYTES = 4
@@ -119,8 +119,8 @@ def staleness_lines(cfg: TrainConfig) -> list[str]:
 
 def tool_lines(cfg: TrainConfig) -> list[str]:
     """A tool run's budgets: the tools and their call strings, the turn, call and token caps; with the chat
-    format, whether its calls can be read off the model's chat template (a template whose calls cannot be is
-    refused here, as the run refuses it, rather than trained with zero calls)."""
+    format, the call syntax parsed (read off the model's chat template with rollout.tool_call_syntax=auto: a
+    template that shows none is refused here, as the run refuses it, rather than trained with zero calls)."""
     r = cfg.rollout
     if not r.multi_turn:
         return []
@@ -131,8 +131,9 @@ def tool_lines(cfg: TrainConfig) -> list[str]:
         except FileNotFoundError:  # a hub model not downloaded yet: the run checks it when it loads the tokenizer
             syntax = ["tool calls: the chat template is read when the run loads the tokenizer (no local copy)"]
         else:
-            require_call_syntax(template)
-            syntax = ["tool calls: the chat template shows <tool_call>{...}</tool_call>, parsed one call a turn"]
+            chosen = call_syntax(template, r.tool_call_syntax)
+            how = "read off the chat template" if r.tool_call_syntax == "auto" else "rollout.tool_call_syntax"
+            syntax = [f"tool calls: {chosen} syntax ({how}), {CALL_FORMS[chosen]}; every call of a turn, run in order"]
 
     tools = ", ".join(f"{spec.function} ({call_strings(spec)[0]}...)" for spec in r.tools) or "none"
     env = r.environment

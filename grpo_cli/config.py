@@ -155,6 +155,7 @@ class RolloutConfig:
     tools: list[ToolSpec] = field(default_factory=list)  # tools the model may call mid-rollout; [] = one completion per sample
     environment: EnvironmentSpec = field(default_factory=EnvironmentSpec)  # a class whose methods are tools, with state per sample
     tool_format: str = "tags"  # tools: "tags" (open/close strings, plain-text models) | "chat" (the chat template's tools= and tool role)
+    tool_call_syntax: str = "auto"  # chat: how the model writes its calls: "auto" (the syntax its chat template shows) | "hermes" | "llama3_json" | "mistral" (docs/tools.md)
     tool_result_tags: list[str] = field(default_factory=lambda: ["<result>", "</result>"])  # tags format: written around a tool's result
     max_turns: int = 4  # tools: model turns per trajectory (each call's reply starts a new one)
     max_tool_calls: int = 3  # tools: tool calls per trajectory
@@ -229,6 +230,8 @@ class RolloutConfig:
                      f"{self.max_new_tokens}, the first turn's cap")
             _require(self.tool_format in ("tags", "chat"), "rollout.tool_format",
                      f"'{self.tool_format}' is not one of tags, chat")
+            _require(self.tool_call_syntax in ("auto", "hermes", "llama3_json", "mistral"), "rollout.tool_call_syntax",
+                     f"'{self.tool_call_syntax}' is not one of auto, hermes, llama3_json, mistral")
             _require(len(self.tool_result_tags) == 2, "rollout.tool_result_tags",
                      f"has {len(self.tool_result_tags)} strings; give two, e.g. ['<result>', '</result>']")
             for i, spec in enumerate(self.tools):

@@ -105,7 +105,8 @@ def preflight(cfg: TrainConfig) -> Task:
     task = Task(train_rows, heldout_rows, reward_fns, model_path, load_tokenizer(model_path), cfg.data, tools)
     check_prompt_lengths(task, cfg)
     if tools and cfg.rollout.tool_format == "chat":  # its tool role and its call syntax, before any model loads
-        ChatFormat.from_tokenizer(task.tokenizer, {t.schema["function"]["name"]: t.name for t in tools})
+        ChatFormat.from_tokenizer(task.tokenizer, {t.schema["function"]["name"]: t.name for t in tools},
+                                  cfg.rollout.tool_call_syntax, cfg.rollout.max_tool_calls)
     return task
 
 

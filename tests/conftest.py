@@ -14,7 +14,7 @@
 - `tiny_chat_model_dir`: the same model with a ChatML chat template in its tokenizer, for the
   chat recipes (gsm8k, math).
 - `tiny_tool_model_dir`: a tiny Qwen2 with a tool-taking chat template (`tool_chat_tokenizer`), taught to
-  open its turn with a native `<tool_call>`, for the chat tool format (gsm8k_tools).
+  answer any prompt with two native `<tool_call>`s in one message, for the chat tool format (gsm8k_tools).
 - `cli`: `grpo ARGS` in this process, with its exit code and output.
 """
 
@@ -106,7 +106,7 @@ def tiny_chat_model_dir(tmp_path_factory, tiny_model_dir) -> Path:
 # <tool_call>JSON</tool_call>, results in a user turn as <tool_response>), written small for the tests.
 TOOL_CHAT_TEMPLATE = (
     "{% if tools %}<|im_start|>system\n{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n"
-    "{% endif %}Tools you may call, one per turn, as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>:\n"
+    "{% endif %}Tools you may call, as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>:\n"
     "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}<|im_end|>\n"
     "{% elif messages[0]['role'] == 'system' %}<|im_start|>system\n{{ messages[0]['content'] }}<|im_end|>\n{% endif %}"
     "{% for message in messages %}{% if message['role'] == 'tool' %}"
@@ -115,15 +115,18 @@ TOOL_CHAT_TEMPLATE = (
     "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 TOOL_CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "2+3"}}</tool_call>'
+TOOL_CALLS = TOOL_CALL + '\n<tool_call>{"name": "calculator", "arguments": {"expression": "4*5"}}</tool_call><|im_end|>'
 
 
 def tool_chat_tokenizer():
-    """The shipped tokenizer with <tool_call> and </tool_call> as added (not special) tokens, as Qwen2.5's
-    has them, and TOOL_CHAT_TEMPLATE."""
+    """The shipped tokenizer made like Qwen2.5-Instruct's: <|im_start|> and <|im_end|> special tokens, <|im_end|>
+    its end of sequence (a message ends there), <tool_call> and </tool_call> added (not special) tokens, and
+    TOOL_CHAT_TEMPLATE."""
     from tokenizers import AddedToken
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(SHIPPED_MODEL_DIR)
+    tokenizer.add_special_tokens({"eos_token": "<|im_end|>", "additional_special_tokens": ["<|im_start|>"]})
     tokenizer.add_tokens([AddedToken("<tool_call>", special=False), AddedToken("</tool_call>", special=False)])
     tokenizer.chat_template = TOOL_CHAT_TEMPLATE
     return tokenizer
@@ -131,9 +134,9 @@ def tool_chat_tokenizer():
 
 @pytest.fixture(scope="session")
 def tiny_tool_model_dir(tmp_path_factory) -> Path:
-    """A tiny Qwen2 whose tokenizer has a tool-taking chat template and <tool_call> / </tool_call> as added
-    (not special) tokens, as Qwen2.5's has, taught in 300 steps to open its turn after any prompt showing the
-    calculator with one call of it in that syntax, so a run on it makes real native calls."""
+    """A tiny Qwen2 with `tool_chat_tokenizer`, taught in 600 steps to answer any prompt showing the calculator
+    with one message of two calls of it in that syntax (TOOL_CALLS), so a run on it makes real native calls,
+    several in a turn."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
     from transformers.utils import get_json_schema
@@ -149,9 +152,12 @@ def tiny_tool_model_dir(tmp_path_factory) -> Path:
                          pad_token_id=tokenizer.pad_token_id)
     model = Qwen2ForCausalLM(config)
     schemas = [get_json_schema(calculator)]
-    call = tokenizer(TOOL_CALL, add_special_tokens=False)["input_ids"]
-    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
-    for step in range(300):  # about 15 s: after any chat prompt showing the calculator, the call
+    call = tokenizer(TOOL_CALLS, add_special_tokens=False)["input_ids"]
+    optimizer = torch.optim.Adam(model.parameters(), lr=2e-3)
+    # A linear decay to zero: at a constant rate a few sampled calls still come out garbled (28 of 32 exact
+    # at temperature 0.2 after 300 steps), with it all 32 do, so the native-call test does not hang on luck.
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 - s / 600)
+    for step in range(600):  # about 30 s: after any chat prompt showing the calculator, the calls (104 tokens)
         g = torch.Generator().manual_seed(step)
         split = 4 + step % 37
         words = torch.randint(0, 500, (4, 48), generator=g)  # questions, and system prompts, of any length
@@ -167,6 +173,7 @@ def tiny_tool_model_dir(tmp_path_factory) -> Path:
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
+        schedule.step()
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path

@@ -70,7 +70,8 @@ class Trajectory:
     row: dict[str, Any] | None = None  # with an environment: the prompt's dataset row, which builds its instance
     env_key: tuple[int, int] = (-1, -1)  # with an environment: its instance's key in the environment's process
     env_calls: list[tuple[str, Any]] = field(default_factory=list)  # the calls an instance rebuilt must replay
-    pending_call: Call | None = None  # the call its last turn ended in, running on the pool (tools.pool)
+    pending_calls: list[Call] = field(default_factory=list)  # the calls its last turn made, run in order on the pool
+    call_results: list[CallDone] = field(default_factory=list)  # those of them that have finished (tools.pool)
     tool_timeouts: int = 0  # its calls that timed out or met the step's spent tool budget
 
     def add_model(self, ids: list[int], logprobs: list[float], text: str) -> None:
@@ -84,11 +85,11 @@ class Trajectory:
         else:
             self.segments.append({"role": "model", "text": text})
 
-    def add_environment(self, ids: list[int], segment: dict[str, Any]) -> None:
+    def add_environment(self, ids: list[int], segments: list[dict[str, Any]]) -> None:
         self.ids += ids
         self.model_mask += [0] * len(ids)
         self.logprobs += [0.0] * len(ids)
-        self.segments.append(segment)
+        self.segments += segments  # one per call of the turn
         self.turn_text, self.turn_tokens = "", 0
 
 
@@ -135,23 +136,36 @@ def _occurrences(text: str, token: str) -> list[int]:
     return found
 
 
-def reply_ids(tokenizer: Any, fmt: TagFormat | ChatFormat, result: str, max_result_tokens: int,
-              added: list[str]) -> tuple[list[int], str]:
-    """The environment's reply to a call as tokens, and the result text it holds (cut to max_result_tokens).
-    The result is plain text in both paths; the format's own strings keep their tokens: tokenized apart from
-    the result where they hold an added or special token (a chat template's), else with it in one string (tag
-    formats: the ids of a benign reply are those of the whole string)."""
-    result_ids = plain_ids(tokenizer, result, added)
-    if len(result_ids) > max_result_tokens:
-        result_ids = result_ids[:max_result_tokens]
-        result = tokenizer.decode(result_ids)  # the characters kept (plain ids: no special token to skip)
-    before, after = fmt.around
-    if any(token in before or token in after for token in added):
-        def own(part: str) -> list[int]:
-            return tokenizer(part, add_special_tokens=False)["input_ids"]
+def reply_ids(tokenizer: Any, fmt: TagFormat | ChatFormat, results: list[str], max_result_tokens: int,
+              added: list[str], model_end: str = "") -> tuple[list[int], list[str], list[str]]:
+    """The environment's reply to a turn's calls as tokens, the result texts it holds (each cut to
+    max_result_tokens), and the reply's text piece by piece (the format's text before each result, the result,
+    and after the last one the format's closing text): joined, the whole reply. Each result is plain text; the
+    format's own strings keep their tokens: tokenized apart from the results where they hold an added or special
+    token (a chat template's), else with them in one string (tag formats: the ids of a benign reply are those of
+    the whole string). `model_end`: the model's own end-of-turn token, which the template's reply does not repeat."""
+    kept, kept_ids = [], []
+    for result in results:
+        ids = plain_ids(tokenizer, result, added)
+        if len(ids) > max_result_tokens:
+            ids = ids[:max_result_tokens]
+            result = tokenizer.decode(ids)  # the characters kept (plain ids: no special token to skip)
+        kept.append(result)
+        kept_ids.append(ids)
+    parts = fmt.reply_parts(len(results), model_end)
+    encoded = [fmt.encode(r) for r in kept]  # JSON-escaped where the template writes a result as a JSON string
+    pieces = [part + r for part, r in zip(parts, encoded)]
+    pieces[-1] += parts[-1]
+    if not any(token in part for part in parts for token in added):
+        return plain_ids(tokenizer, "".join(pieces), added), kept, pieces
 
-        return own(before) + result_ids + own(after), result
-    return plain_ids(tokenizer, fmt.render(result), added), result
+    def own(part: str) -> list[int]:
+        return tokenizer(part, add_special_tokens=False)["input_ids"]
+
+    ids = own(parts[0])
+    for r, r_ids, e, part in zip(kept, kept_ids, encoded, parts[1:]):
+        ids += (r_ids if e == r else plain_ids(tokenizer, e, added)) + own(part)
+    return ids, kept, pieces
 
 
 class ToolEngine(DelegatingEngine):
@@ -163,6 +177,7 @@ class ToolEngine(DelegatingEngine):
         self.tools, self.fmt, self.caps = {t.name: t for t in tools}, fmt, caps
         self.environment = environment_of(tools)
         self.added = [t for t in self.tokenizer.get_added_vocab() if t]  # token strings a result must not become
+        self.special_ids = set(self.tokenizer.all_special_ids)
         self.pool = ToolPool(caps.tool_workers)
 
     def _decode(self, ids: list[int]) -> str:
@@ -205,20 +220,24 @@ class ToolEngine(DelegatingEngine):
             t.engine_calls += 1
             return Request((p, g), prompt_ids[p] + t.ids, turn._replace(n=1, max_new_tokens=self._room(t, cap)), seed)
 
-        def on_finish(key: tuple[int, int], out: Completion) -> None:
-            t = trajectories[key[0]][key[1]]
-            found = self._absorb(t, out.ids, out.logprobs, out.truncated, cap)
-            if found is None:
-                if not t.done:
-                    calls.resume(key)  # its turn goes on: it rejoins with the replies, in order
-                return
+        def submit(key: tuple[int, int], t: Trajectory) -> None:  # the next of its turn's calls, on the pool
+            found = t.pending_calls[len(t.call_results)]
             tool = self.tools.get(found.tool)
-            t.pending_call = found
             if tool is None:  # a call the model wrote badly (tool ""): the reason is its error
                 calls.submit(key, None, found.argument)
             else:
                 calls.submit(key, tool, found.argument,
                              (t.env_key, t.row, t.env_calls) if tool.environment is not None else None)
+
+        def on_finish(key: tuple[int, int], out: Completion) -> None:
+            t = trajectories[key[0]][key[1]]
+            found = self._absorb(t, out.ids, out.logprobs, out.truncated, cap)
+            if not found:
+                if not t.done:
+                    calls.resume(key)  # its turn goes on: it rejoins with the replies, in order
+                return
+            t.pending_calls, t.call_results = found, []
+            submit(key, t)
 
         class Continuations:  # what generate_each takes back between engine steps (engines.base.Replies)
             @staticmethod
@@ -231,7 +250,14 @@ class ToolEngine(DelegatingEngine):
                 for done in calls.take(block):
                     t = trajectories[done.key[0]][done.key[1]]
                     if done.result is not None:
-                        self._reply(t, done)
+                        if done.replay == "replay":  # an environment method that ran: a rebuilt instance replays it
+                            t.env_calls.append(tuple(t.pending_calls[len(t.call_results)]))
+                        t.call_results.append(done)
+                        timeouts = t.tool_timeouts + sum(d.result.failure is not None for d in t.call_results)
+                        if len(t.call_results) < len(t.pending_calls) and timeouts < self.caps.max_tool_timeouts:
+                            submit(done.key, t)  # the turn's next call: one after another, in the order written
+                            continue
+                        self._reply(t)
                     if not t.done:
                         follow.append(request(*done.key))
                 return follow
@@ -244,10 +270,11 @@ class ToolEngine(DelegatingEngine):
         return min(turn_cap - t.turn_tokens, self.caps.max_trajectory_tokens - len(t.ids))
 
     def _absorb(self, t: Trajectory, ids: list[int], logprobs: list[float], truncated: bool,
-                turn_cap: int) -> Call | None:
+                turn_cap: int) -> list[Call]:
         """One engine call's output into its trajectory: the model's tokens (cut at a stop string, and to the
-        turn's and the trajectory's room); the call its turn ended in, or None (the trajectory is done, or its
-        turn goes on: a close string without an open string)."""
+        turn's and the trajectory's room); the calls its turn ended in, or [] (the trajectory is done, or its
+        turn goes on: a close string without an open string). A tag turn ends at a tool's close string, in one
+        call; a chat turn where the model ends its message, in as many as it wrote."""
         text = self._decode(ids)
         stop_end = None
         if cut := cut_at_stop(ids, text, self.fmt.stops, self._decode):
@@ -257,40 +284,51 @@ class ToolEngine(DelegatingEngine):
         if len(ids) > room:  # the call was sized for the longest room of its batch
             ids, logprobs, text, truncated = ids[:room], logprobs[:room], self._decode(ids[:room]), True
         t.add_model(ids, logprobs, text)
-        if truncated or stop_end is None:  # a cap cut the turn, or it ended (end of sequence) without a call
+        if truncated:  # a cap cut the turn
             t.done = True
-            if truncated:
-                t.capped = "trajectory_tokens" if len(t.ids) >= self.caps.max_trajectory_tokens else "turn_tokens"
-            return None
+            t.capped = "trajectory_tokens" if len(t.ids) >= self.caps.max_trajectory_tokens else "turn_tokens"
+            return []
+        if isinstance(self.fmt, ChatFormat):  # the message is over: its calls, in its family's syntax
+            found = self.fmt.find_calls(self.tokenizer.decode(ids, skip_special_tokens=False))
+            if not found:
+                t.done = True  # an answer
+                return []
+        elif stop_end is None:  # it ended (end of sequence) without a call
+            t.done = True
+            return []
         if len(t.ids) >= self.caps.max_trajectory_tokens:
             t.done, t.capped = True, "trajectory_tokens"
-            return None
-        found = self.fmt.find_call(t.turn_text[: len(t.turn_text) - len(text) + stop_end])  # up to the stop string
-        if found is None:  # a close string with no open string before it: not a call, the turn goes on
-            if t.turn_tokens >= turn_cap:
-                t.done, t.capped = True, "turn_tokens"
-            return None
-        if t.turns >= self.caps.max_turns or t.calls >= self.caps.max_tool_calls:
+            return []
+        if not isinstance(self.fmt, ChatFormat):
+            call = self.fmt.find_call(t.turn_text[: len(t.turn_text) - len(text) + stop_end])  # up to the stop string
+            if call is None:  # a close string with no open string before it: not a call, the turn goes on
+                if t.turn_tokens >= turn_cap:
+                    t.done, t.capped = True, "turn_tokens"
+                return []
+            found = [call]
+        if t.turns >= self.caps.max_turns or t.calls + len(found) > self.caps.max_tool_calls:
             t.done, t.capped = True, "turns" if t.turns >= self.caps.max_turns else "tool_calls"
-            return None
+            return []
         return found
 
-    def _reply(self, t: Trajectory, done: CallDone) -> None:
-        """Append a finished call's reply, tokenized once (its result cut to max_tool_result_tokens). A call
-        that timed out or met the spent budget counts against rollout.max_tool_timeouts: the trajectory is cut
-        at that many."""
-        call = t.pending_call
-        result = done.result._replace(text=done.result.text[:MAX_RESULT_CHARS])
-        if done.replay == "replay":  # an environment method that ran: a rebuilt instance replays it
-            t.env_calls.append((call.tool, call.argument))
-        ids, text = reply_ids(self.tokenizer, self.fmt, result.text, self.caps.max_tool_result_tokens, self.added)
-        reply = self.fmt.render(text)
+    def _reply(self, t: Trajectory) -> None:
+        """Append the reply to a turn's finished calls, tokenized once (each result cut to max_tool_result_tokens).
+        Calls that timed out or met the spent budget count against rollout.max_tool_timeouts: the trajectory is cut
+        at that many (the turn's remaining calls do not run)."""
+        done_calls = list(zip(t.pending_calls, t.call_results))
+        results = [d.result._replace(text=d.result.text[:MAX_RESULT_CHARS]) for _, d in done_calls]
+        last = t.ids[-1] if t.ids else None
+        model_end = self.tokenizer.convert_ids_to_tokens(last) if last in self.special_ids else ""
+        ids, texts, pieces = reply_ids(self.tokenizer, self.fmt, [r.text for r in results],
+                                       self.caps.max_tool_result_tokens, self.added, model_end)
         room = self.caps.max_trajectory_tokens - len(t.ids)
-        t.calls += 1
-        t.add_environment(ids[:room], {"role": "tool", "tool": call.tool, "argument": call.argument, "result": text,
-                                       "ok": result.ok, "text": reply, "seconds": round(done.seconds, 4),
-                                       "failure": result.failure})
-        t.tool_timeouts += result.failure is not None
+        t.calls += len(done_calls)
+        t.add_environment(ids[:room], [
+            {"role": "tool", "tool": call.tool, "argument": call.argument, "result": text, "ok": result.ok,
+             "text": piece, "seconds": round(done.seconds, 4), "failure": result.failure}
+            for (call, done), result, text, piece in zip(done_calls, results, texts, pieces)])
+        t.tool_timeouts += sum(result.failure is not None for result in results)
+        t.pending_calls, t.call_results = [], []
         if len(ids) >= room:  # the reply filled the budget: no room for the model to read and answer
             t.done, t.capped = True, "trajectory_tokens"
         elif t.tool_timeouts >= self.caps.max_tool_timeouts:  # its calls keep running out of time: cut
@@ -318,7 +356,8 @@ def with_tools(engine: Engine, tools: list[LoadedTool], rollout: RolloutConfig) 
         return engine
     fmt: TagFormat | ChatFormat
     if rollout.tool_format == "chat":
-        fmt = ChatFormat.from_tokenizer(engine.tokenizer, {t.schema["function"]["name"]: t.name for t in tools})
+        fmt = ChatFormat.from_tokenizer(engine.tokenizer, {t.schema["function"]["name"]: t.name for t in tools},
+                                        rollout.tool_call_syntax, rollout.max_tool_calls)
     else:
         fmt = TagFormat(tuple((t.name, t.open, t.close) for t in tools), *rollout.tool_result_tags)
     caps = ToolCaps(rollout.max_turns, rollout.max_tool_calls, rollout.max_tool_result_tokens,

@@ -39,10 +39,12 @@ class TagFormat:
                 return Call(name, body[start + len(open_):])
         return None
 
-    @property
-    def around(self) -> tuple[str, str]:
-        """The reply's own text before and after a result."""
+    def reply_parts(self, n: int = 1, model_end: str = "") -> tuple[str, str]:
+        """The reply's own text before and after its one result (a tag turn makes one call)."""
         return self.result_open, self.result_close
+
+    def encode(self, result: str) -> str:
+        return result
 
     def render(self, result: str) -> str:
         """The environment's reply to a call: its result between the result strings."""

@@ -35,7 +35,8 @@ def final(run_dir: Path) -> dict:
 SPLIT = ["recipe=bike_pricing", "trainer.steps=3", "rollout.prompts_per_step=4", "rollout.group_size=4",
          "eval.num_problems=8", "eval.every=3", "checkpoint.every=0", "rollout.push_check_every=1",
          "trainer.lr=1e-3", "rollout.max_staleness=1", "rollout.enforce_eager=true",
-         "trainer.mismatch_correction=none"]  # tis (K > 0's default) would read the engine's logprobs, see below
+         "trainer.mismatch_correction=none",  # tis (K > 0's default) would read the engine's logprobs, see below
+         "trainer.threads=1"]  # one thread a rank and in the one process, on any number of cores (0 takes a share)
 ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 

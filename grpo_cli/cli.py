@@ -563,7 +563,8 @@ def main(argv: list[str] | None = None) -> int:
         global _RUN_NAME
         timeout_s = config.dist.timeout_s if config is not None else 600
         if config is not None and config.rollout.placement == "split":  # no default group (dist/channel.py)
-
+            if launch.rank() != 0:  # the generator: its own GPU, chosen before CUDA starts in this process
+                launch.bind_generator_gpu()
             launch.die_with_parent()
             line = channel.connect(launch.rank(), timeout_s)
             if launch.rank() == 0:

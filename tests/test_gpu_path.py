@@ -414,3 +414,57 @@ def test_the_7b_lora_recipe_fits_an_80_gb_gpu_and_sleeps_at_level_1(cli):
                                     "rollout.lora_push=merged").stdout
     assert "awake throughout" in cli("check", "recipe=bike_pricing_qwen7b_lora", "rollout.sleep_mode=off").stdout
     assert "on a GPU" not in cli("check", "recipe=bike_pricing").stdout  # a CPU recipe: no GPU lines
+
+
+def test_a_split_job_s_generator_rank_sees_only_its_own_gpu(monkeypatch):
+    """vLLM's one-process worker runs on cuda:0 of the GPUs it sees, so the generator rank of a split job is shown
+    only its node's LOCAL_RANK-th GPU (of CUDA_VISIBLE_DEVICES' list where one is set); a node of one GPU keeps it."""
+    from grpo_cli.dist import launch
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert launch.bind_generator_gpu() == "1" and os.environ["CUDA_VISIBLE_DEVICES"] == "1"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4, 6")
+    assert launch.bind_generator_gpu() == "6" and os.environ["CUDA_VISIBLE_DEVICES"] == "6"
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    assert launch.bind_generator_gpu() is None and os.environ["CUDA_VISIBLE_DEVICES"] == "3"
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    with pytest.raises(RuntimeError, match="CUDA already started"):
+        launch.bind_generator_gpu()
+
+
+def test_the_cli_binds_the_generator_s_gpu_before_it_opens_the_channel(monkeypatch):
+    """Under the launcher, a split job's rank 1 chooses its GPU before anything of CUDA or vLLM starts in it (the
+    channel is the first thing it opens); rank 0, the trainer, keeps every GPU (Dist.init takes cuda:0)."""
+    from grpo_cli import cli
+    from grpo_cli.dist import channel, launch
+
+    seen = []
+
+    class Line:
+        def send(self, obj):
+            pass
+
+        def recv(self):
+            return "run-name"
+
+    def connect(rank, timeout_s):
+        seen.append((rank, os.environ.get("CUDA_VISIBLE_DEVICES")))
+        return Line()
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(channel, "connect", connect)
+    monkeypatch.setattr(launch, "die_with_parent", lambda: None)
+    monkeypatch.setattr(cli, "_run_hydra", lambda command, rest: 0)
+    monkeypatch.setattr(cli, "_RUN_NAME", cli._RUN_NAME)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    args = ["train", "recipe=bike_pricing", "rollout.placement=split", "dist.nproc_per_node=2"]
+    for rank in ("0", "1"):
+        for key, value in {"WORLD_SIZE": "2", "RANK": rank, "LOCAL_RANK": rank}.items():
+            monkeypatch.setenv(key, value)
+        assert cli.main(args) == 0
+    assert seen == [(0, None), (1, "1")]

@@ -95,3 +95,48 @@ def test_a_generator_rank_that_raises_stops_the_job_with_one_line(tmp_path):
     assert time.time() - started < 200
     ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
     assert str(tmp_path / "out") not in ps  # no rank left behind
+
+
+# The two ends of a split job's channel with a 1 s dist.timeout_s, as two plain processes (no engine, no training).
+CHANNEL_ENDS = """
+import sys, time
+from grpo_cli.dist import channel
+
+rank = int(sys.argv[1])
+line = channel.connect(rank, 1)
+if rank == 0:  # the trainer: busy 3 s (an update, a checkpoint) before its next call, then waits on an answer
+    time.sleep(3)
+    line.send("generate")
+    try:
+        line.recv()
+    except RuntimeError as e:
+        print("trainer: no answer within dist.timeout_s" if "Timed out" in str(e) else f"trainer: {e}")
+else:  # the generator: idle 3 s, then slower than the trainer's timeout to answer
+    started = time.time()
+    print(f"generator: got {line.recv()!r} after {time.time() - started:.0f} s")
+    time.sleep(3)
+    try:
+        line.send("rollouts")
+    except RuntimeError:
+        print("generator: the trainer is gone")
+"""
+
+
+def test_an_idle_generator_waits_past_dist_timeout_and_the_trainer_does_not(tmp_path):
+    """The generator rank waits on the trainer however long it works (with a 1 s dist.timeout_s it would have
+    raised after 1 s and taken the job down: issue 39); the trainer still names a generator that does not answer
+    within dist.timeout_s, and the generator then learns the trainer is gone instead of waiting on."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "ends.py"
+    script.write_text(CHANNEL_ENDS)
+    env = {**ONE_THREAD, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2"}
+    ends = [subprocess.Popen([sys.executable, str(script), str(r)], cwd=REPO, env={**env, "RANK": str(r)},
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    (trainer, trainer_err), (generator, generator_err) = [end.communicate(timeout=120) for end in ends]
+    assert [end.returncode for end in ends] == [0, 0], (trainer_err[-2000:], generator_err[-2000:])
+    assert trainer.strip() == "trainer: no answer within dist.timeout_s"
+    assert generator.splitlines() == ["generator: got 'generate' after 3 s", "generator: the trainer is gone"]

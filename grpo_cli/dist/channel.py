@@ -16,18 +16,27 @@ if TYPE_CHECKING:
     import torch
 
 _CHANNEL: Channel | None = None
+# How long the generator's side waits on the trainer: without bound in practice. It is idle whenever the trainer
+# works (loading a 7B before "start"; with max_staleness=0 through the rewards, the update and a checkpoint; its
+# answer to a generate waits until the trainer takes it), so dist.timeout_s there would take a healthy job down
+# (issue 39). A trainer that dies still ends the wait at once: its socket closes ("closed by peer"), and the
+# launcher stops the other rank. The trainer keeps dist.timeout_s, naming a generator that stops answering.
+# (timedelta.max overflows gloo's milliseconds into a negative wait that fails at once; ten years does not.)
+GENERATOR_WAIT = datetime.timedelta(days=3650)
 
 
 class Channel:
     """Messages between this rank and `peer` over a two-rank gloo group (tag 0, in order)."""
 
-    def __init__(self, rank: int, peer: int, timeout_s: float) -> None:
+    def __init__(self, rank: int, peer: int, timeout_s: float, wait: datetime.timedelta | None = None) -> None:
+        """`timeout_s` bounds the rendezvous, and every send and receive of this side unless `wait` is given (a
+        gloo group's timeout is each process's own: it bounds only that process's waits)."""
         import torch.distributed as torch_dist
 
         store, rank_, world = next(torch_dist.rendezvous("env://", timeout=datetime.timedelta(seconds=timeout_s)))
         assert (rank_, world) == (rank, 2), (rank_, world)
         store = torch_dist.PrefixStore("grpo_split/", store)
-        self.group = torch_dist.ProcessGroupGloo(store, rank, world, datetime.timedelta(seconds=timeout_s))
+        self.group = torch_dist.ProcessGroupGloo(store, rank, world, wait or datetime.timedelta(seconds=timeout_s))
         self.rank, self.peer, self.timeout_s = rank, peer, timeout_s
 
     def send(self, obj: Any) -> None:
@@ -39,7 +48,7 @@ class Channel:
         self.group.send([payload], self.peer, 0).wait()
 
     def recv(self) -> Any:
-        """The peer's next object (waits up to the timeout; a peer that died raises "closed by peer")."""
+        """The peer's next object (waits up to this side's timeout; a peer that died raises "closed by peer")."""
         import torch
 
         size = torch.zeros(1, dtype=torch.int64)
@@ -61,9 +70,10 @@ class Channel:
 
 
 def connect(rank: int, timeout_s: float) -> Channel:
-    """This split-job rank's channel to the other (rank 0 trains, rank 1 generates); kept for `current`."""
+    """This split-job rank's channel to the other (rank 0 trains, rank 1 generates); kept for `current`. The
+    trainer's waits are bounded by `timeout_s` (dist.timeout_s), the generator's by GENERATOR_WAIT."""
     global _CHANNEL
-    _CHANNEL = Channel(rank, 1 - rank, timeout_s)
+    _CHANNEL = Channel(rank, 1 - rank, timeout_s, None if rank == 0 else GENERATOR_WAIT)
     return _CHANNEL
 
 

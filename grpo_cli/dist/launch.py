@@ -61,6 +61,26 @@ def join_job(timeout_s: int) -> None:
     torch_dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
 
 
+def bind_generator_gpu() -> str | None:
+    """A split job's generator rank (rollout.placement=split): show this process only its node's LOCAL_RANK-th
+    GPU, before anything starts CUDA here. vLLM's one-process worker takes cuda:0 of the GPUs it sees and sets it
+    again over any torch.cuda.set_device made before (vllm/v1/worker/gpu_worker.py), so without this the engine
+    starts on the trainer's GPU and leaves its own idle (issue 39). A node with fewer GPUs than that keeps what
+    it shows: the engine shares the first GPU with the trainer. Returns the GPU bound, or None."""
+    import torch
+
+    if torch.cuda.is_initialized():
+        raise RuntimeError("bind_generator_gpu: CUDA already started in this process; it must run before")
+    count = torch.cuda.device_count()  # through NVML: counts the GPUs without starting CUDA; 0 on a CPU build
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if count <= local:
+        return None
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    visible = [d.strip() for d in listed.split(",")] if listed else [str(i) for i in range(count)]
+    os.environ["CUDA_VISIBLE_DEVICES"] = visible[local]
+    return visible[local]
+
+
 def die_with_parent() -> None:
     """Linux: this worker gets SIGKILL when its launcher dies. torchrun starts each worker in a session of
     its own, so a `kill -9` of the launcher (or the OOM killer) would otherwise leave the workers running."""

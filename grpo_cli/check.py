@@ -13,7 +13,13 @@ from typing import Any
 
 from grpo_cli.checkpoint import resolve_model_path
 from grpo_cli.config import TrainConfig
-from grpo_cli.engines.options import ENGINE_WORKSPACE_GIB, adapter_sleep_level
+from grpo_cli.engines.options import (
+    ENGINE_WORKSPACE_GIB,
+    adapter_sleep_level,
+    engine_on_trainer_rank,
+    lora_requests_wanted,
+    sleep_wanted,
+)
 from grpo_cli.tools.builtin import BUILTIN_TOOLS, PYTHON_MEMORY_BYTES, PYTHON_PROCESSES, runs_untrusted_code
 from grpo_cli.tools.chat import CALL_FORMS, call_syntax, template_source
 from grpo_cli.tools.load import call_strings, require_sandbox
@@ -258,17 +264,26 @@ def gpu_lines(cfg: TrainConfig, shape: dict[str, Any] | None, world_size: int) -
     if r.engine != "vllm":
         return lines + [f"  peak {updating / gib:.1f} GiB (rollout.engine={r.engine} samples from the policy itself)"]
     tp = r.tensor_parallel_size
-    sleeping = r.sleep_mode in ("auto", "on")
+    engine = params * dtype_bytes / tp + adapters * dtype_bytes + (r.kv_cache_gib + ENGINE_WORKSPACE_GIB) * gib
+    awake = (f"vLLM {engine / gib:.1f} GiB awake (weights {params * dtype_bytes / tp / gib:.1f}, KV cache "
+             f"{r.kv_cache_gib:g}, workspace {ENGINE_WORKSPACE_GIB:g})")
+    if not engine_on_trainer_rank(r):  # split: the run's own rule (engines/options.py), not a copy of it
+        share = (f"rollout.gpu_memory_utilization={r.gpu_memory_utilization} of its GPU"
+                 if r.gpu_memory_utilization is not None else awake)
+        return lines + [f"  peak {updating / gib:.1f} GiB on the trainer rank's GPU (its node's first; no engine there)",
+                        f"  the generator rank's GPU (its node's second; the first, beside the trainer, on a node of "
+                        f"one): {share}, throughout (a split job's engine never sleeps)"]
     if r.gpu_memory_utilization is not None:
         return lines + [f"  vLLM takes rollout.gpu_memory_utilization={r.gpu_memory_utilization} of the device"]
-    engine = params * dtype_bytes / tp + adapters * dtype_bytes + (r.kv_cache_gib + ENGINE_WORKSPACE_GIB) * gib
-    level = adapter_sleep_level(r.sleep_level) if lora and r.lora_push != "merged" else r.sleep_level
+    sleeping = sleep_wanted(r, "cuda")  # the run's rule: not while the engine samples beside the update (K > 0)
+    level = adapter_sleep_level(r.sleep_level) if lora and lora_requests_wanted(r, on_cpu=False) else r.sleep_level
     asleep = ASLEEP_GIB * gib if sleeping else engine
     generating, peak = held_while_generating + engine, max(held_while_generating + engine, updating + asleep)
     return lines + [
-        f"  vLLM {engine / gib:.1f} GiB awake (weights {params * dtype_bytes / tp / gib:.1f}, KV cache "
-        f"{r.kv_cache_gib:g}, workspace {ENGINE_WORKSPACE_GIB:g}), "
-        + (f"{ASLEEP_GIB:g} asleep (sleep level {level})" if sleeping else "awake throughout (rollout.sleep_mode=off)"),
+        f"  {awake}, "
+        + (f"{ASLEEP_GIB:g} asleep (sleep level {level})" if sleeping else
+           "awake throughout (" + ("it samples while the trainer steps" if r.max_staleness else "rollout.sleep_mode=off")
+           + ")"),
         f"  peak {peak / gib:.1f} GiB: {generating / gib:.1f} while vLLM generates"
         + (" (AdamW's moments offloaded)" if t.offload_optimizer else "")
         + f", {(updating + asleep) / gib:.1f} while the trainer updates"]

@@ -189,6 +189,8 @@ class RolloutConfig:
         _require(self.placement == "colocated" or (self.engine == "vllm" and self.tensor_parallel_size == 1),
                  "rollout.placement", "split gives the generator rank a vLLM engine of its own: needs "
                  "rollout.engine=vllm and rollout.tensor_parallel_size=1")
+        _require(self.placement == "colocated" or self.sleep_mode != "on", "rollout.sleep_mode",
+                 "on: a split job's engine has the generator rank's GPU to itself and never sleeps; set auto or off")
         _require(self.overlap in ("auto", "thread", "off"), "rollout.overlap",
                  f"'{self.overlap}' is not one of auto, thread, off")
         if self.max_staleness:  # the engine samples while the trainer steps (docs/async.md)

@@ -45,7 +45,8 @@ def serve(cfg: TrainConfig, task: Task) -> int:
         name, args = channel.recv()
         if name == "stop":
             return 0
-        if name == "start":  # the start point's weights (a resume's checkpoint, or the base)
+        if name == "start":  # the start point's weights (a resume's checkpoint, or the base); the engine never
+            # sleeps, its GPU holds no trainer (engines.options.sleep_wanted), and it is this rank's own (cli.py)
             engine = with_tools(VLLMEngine(args[0], cfg.model, cfg.rollout, cfg.trainer.seed,
                                            cfg.logging.verbose_libraries), task.tools, cfg.rollout)
             channel.send(engine.adapters)

@@ -103,6 +103,7 @@ def test_sleep_mode_auto_follows_the_trainer_device_and_the_hf_engine_ignores_it
     assert sleep_wanted(RolloutConfig(sleep_mode="auto"), "cuda:0") is True
     assert sleep_wanted(RolloutConfig(sleep_mode="auto"), torch.device("cpu")) is False
     assert sleep_wanted(RolloutConfig(sleep_mode="off"), "cuda:0") is False
+    assert sleep_wanted(RolloutConfig(placement="split"), "cuda:0") is False  # the generator's GPU holds no trainer
     engine = HFEngine(torch.nn.Linear(1, 1), tokenizer=None)
     engine.sleep(), engine.wake_weights(), engine.wake_kv_cache()  # nothing to free: no error, no state
 
@@ -414,6 +415,33 @@ def test_the_7b_lora_recipe_fits_an_80_gb_gpu_and_sleeps_at_level_1(cli):
                                     "rollout.lora_push=merged").stdout
     assert "awake throughout" in cli("check", "recipe=bike_pricing_qwen7b_lora", "rollout.sleep_mode=off").stdout
     assert "on a GPU" not in cli("check", "recipe=bike_pricing").stdout  # a CPU recipe: no GPU lines
+
+
+def test_check_counts_the_engine_where_the_run_puts_it_and_awake_when_it_samples_ahead(cli):
+    """With max_staleness > 0 the engine samples while the trainer updates, so it never sleeps (the run's
+    sleep_wanted): the update's peak holds the whole engine. Split: the trainer rank's GPU holds no engine, the
+    generator's holds one, awake throughout; sleep_mode=on there is refused (issue 39)."""
+    import re
+
+    def phases(out):
+        return map(float, re.search(r"peak ([\d.]+) GiB: ([\d.]+) while vLLM generates, ([\d.]+) while the trainer "
+                                    r"updates", out).groups())
+
+    base = cli("check", "recipe=bike_pricing_qwen7b_lora").stdout
+    ahead = cli("check", "recipe=bike_pricing_qwen7b_lora", "rollout.max_staleness=1").stdout
+    engine = float(re.search(r"vLLM ([\d.]+) GiB awake", ahead).group(1))
+    trainer = float(re.search(r"the trainer holds ([\d.]+) GiB while it updates", ahead).group(1))
+    assert "awake throughout (it samples while the trainer steps)" in ahead and "asleep" not in ahead
+    peak, _, updating = phases(ahead)
+    assert updating == pytest.approx(trainer + engine, abs=0.15) and peak == updating > max(phases(base))  # each to 0.1
+    split = cli("check", "recipe=bike_pricing_qwen7b_lora", "rollout.placement=split", "dist.nproc_per_node=2",
+                "rollout.max_staleness=1").stdout
+    assert f"peak {trainer:.1f} GiB on the trainer rank's GPU (its node's first; no engine there)" in split
+    assert f"the generator rank's GPU (its node's second; the first, beside the trainer, on a node of one): " \
+           f"vLLM {engine:.1f} GiB awake" in split and "throughout (a split job's engine never sleeps)" in split
+    refused = cli("check", "recipe=bike_pricing_qwen7b_lora", "rollout.placement=split", "dist.nproc_per_node=2",
+                  "rollout.sleep_mode=on")
+    assert refused.returncode == 2 and "rollout.sleep_mode: on: a split job's engine" in refused.stderr
 
 
 def test_a_split_job_s_generator_rank_sees_only_its_own_gpu(monkeypatch):

@@ -91,7 +91,16 @@ def prefill_waves(prompt_lens: list[int], n: int, token_budget: int, seq_budget:
 
 def sleep_wanted(rollout: RolloutConfig, trainer_device: torch.device | str) -> bool:
     """rollout.sleep_mode: "auto" sleeps when the trainer is on CUDA too (one GPU, shared), unless the engine samples
-    while the trainer steps (rollout.max_staleness > 0)."""
+    while the trainer steps (rollout.max_staleness > 0). A split job's engine never sleeps: it is on the generator
+    rank, whose GPU holds no trainer (`engine_on_trainer_rank`)."""
+    if not engine_on_trainer_rank(rollout):
+        return False
     auto = str(trainer_device).startswith("cuda") and not rollout.max_staleness
     return {"on": True, "off": False, "auto": auto}[rollout.sleep_mode]
+
+
+def engine_on_trainer_rank(rollout: RolloutConfig) -> bool:
+    """Whether a trainer rank holds a vLLM engine beside its share of the policy: colocated, every rank does; split,
+    none does (the generator rank holds the job's one engine, and the trainer a RemoteEngine, docs/async.md)."""
+    return rollout.engine == "vllm" and rollout.placement == "colocated"
 

@@ -1,6 +1,6 @@
 """rollout.placement=split (tier 3: minutes): `grpo train` as 2 processes, rank 0 trains and rank 1 samples
-ahead with a vLLM engine on the shipped model, against one process sampling the same batches; and a generator
-rank that fails as it starts. The one-process K=1 runs are in tests/test_async.py; the two files are apart so
+ahead with a vLLM engine on the shipped model, against one process sampling the same batches; either rank
+SIGKILLed and the job resumed; a generator rank that fails as it starts; the channel's waits on each side. The one-process K=1 runs are in tests/test_async.py; the two files are apart so
 that the suite's two workers can run them side by side.
 """
 
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -45,17 +46,25 @@ def grpo_train(out: Path, *extra: str, env: dict | None = None) -> subprocess.Co
                           cwd=REPO, capture_output=True, text=True, timeout=600, env=env or ONE_THREAD)
 
 
-def test_a_split_job_trains_as_one_process_with_the_same_schedule(tmp_path):
+@pytest.fixture(scope="module")
+def split_run(tmp_path_factory) -> Path:
+    """The uninterrupted split job (K=1, 3 steps): its run directory."""
+    out = tmp_path_factory.mktemp("split")
+    split = grpo_train(out, "rollout.placement=split", "dist.nproc_per_node=2")
+    assert split.returncode == 0, split.stderr[-3000:]
+    assert "rank 0 trains, rank 1 generates" in split.stdout
+    (split_dir,) = (out / "bike_pricing").iterdir()
+    return split_dir
+
+
+def test_a_split_job_trains_as_one_process_with_the_same_schedule(tmp_path, split_run):
     """K=1 with rollout.placement=split (the generator rank samples while the trainer rank steps, the weights
     go over the channel tensor by tensor, the push check re-scores on the generator) against one process of
     one thread sampling the same batches after each update: each rank has one thread too, so every logged
     value but the engine's sampling logprobs (another process's vLLM) and the final weights are the same bits."""
-    split = grpo_train(tmp_path / "split", "rollout.placement=split", "dist.nproc_per_node=2")
-    assert split.returncode == 0, split.stderr[-3000:]
-    assert "rank 0 trains, rank 1 generates" in split.stdout
     one = grpo_train(tmp_path / "one", "rollout.overlap=off")
     assert one.returncode == 0, one.stderr[-3000:]
-    (split_dir,) = (tmp_path / "split" / "bike_pricing").iterdir()
+    split_dir = split_run
     (one_dir,) = (tmp_path / "one" / "bike_pricing").iterdir()
     assert (split_dir / "train-rank1.log").is_file()
     steps = logged(split_dir)
@@ -69,6 +78,54 @@ def test_a_split_job_trains_as_one_process_with_the_same_schedule(tmp_path):
     assert all(abs(m - o) < 1e-6 for m, o in mismatch), mismatch
     assert steps == ones
     a, b = final(split_dir), final(one_dir)
+    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+
+
+def rank_pid(marker: str, rank: int) -> int | None:
+    """The pid of the job's worker of this rank: a process with `marker` (its output directory) on its command
+    line and RANK in its environment (the launcher sets none)."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            args = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if marker in args and f"RANK={rank}".encode() in env and any(e.startswith(b"LOCAL_RANK=") for e in env):
+            return int(pid)
+    return None
+
+
+@pytest.mark.parametrize("victim, kind", [(1, "generator"), (0, "trainer")])
+def test_a_split_job_with_a_rank_killed_stops_at_once_and_resumes_bit_exactly(tmp_path, split_run, victim, kind):
+    """SIGKILL of either rank once the step-2 checkpoint is complete (the batch of step 3, sampled ahead, saved in
+    it): the job ends within seconds with a line naming the rank, leaves no process, and `resume=auto` finishes
+    with the uninterrupted job's weights and every logged value (issue 39)."""
+    out = tmp_path / "killed"
+    args = [sys.executable, "-m", "grpo_cli", "train", *SPLIT, f"output_dir={out}", "rollout.placement=split",
+            "dist.nproc_per_node=2", "checkpoint.every=2"]
+    proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ONE_THREAD)
+    deadline, marker = time.time() + 600, None
+    while time.time() < deadline and proc.poll() is None and marker is None:
+        marker = next(iter(out.glob("bike_pricing/*/checkpoints/step_000002/checkpoint.json")), None)
+        time.sleep(0.05)
+    assert marker is not None, "no checkpoint at step 2 appeared"
+    pid = rank_pid(str(out), victim)
+    assert pid is not None, f"no {kind} rank found"
+    os.kill(pid, signal.SIGKILL)
+    killed = time.time()
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 1 and time.time() - killed < 60, err[-3000:]
+    assert f"grpo train: error: rank {victim} exited with signal SIGKILL" in err
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    assert str(out) not in ps  # no rank left behind
+    run_dir = marker.parents[2]
+    assert not (run_dir / "checkpoints" / "final").exists()
+    resumed = subprocess.run(args + ["resume=auto"], cwd=REPO, capture_output=True, text=True, timeout=600,
+                             env=ONE_THREAD)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout and "at step 2" in resumed.stdout
+    assert logged(run_dir) == logged(split_run)
+    a, b = final(run_dir), final(split_run)
     assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
 
 

@@ -270,9 +270,10 @@ def gpu_lines(cfg: TrainConfig, shape: dict[str, Any] | None, world_size: int) -
     if not engine_on_trainer_rank(r):  # split: the run's own rule (engines/options.py), not a copy of it
         share = (f"rollout.gpu_memory_utilization={r.gpu_memory_utilization} of its GPU"
                  if r.gpu_memory_utilization is not None else awake)
+        where = ("its own node's first" if cfg.dist.nnodes > 1 else
+                 "the node's second; the first, beside the trainer, on a node of one")
         return lines + [f"  peak {updating / gib:.1f} GiB on the trainer rank's GPU (its node's first; no engine there)",
-                        f"  the generator rank's GPU (its node's second; the first, beside the trainer, on a node of "
-                        f"one): {share}, throughout (a split job's engine never sleeps)"]
+                        f"  the generator rank's GPU ({where}): {share}, throughout (a split job's engine never sleeps)"]
     if r.gpu_memory_utilization is not None:
         return lines + [f"  vLLM takes rollout.gpu_memory_utilization={r.gpu_memory_utilization} of the device"]
     sleeping = sleep_wanted(r, "cuda")  # the run's rule: not while the engine samples beside the update (K > 0)

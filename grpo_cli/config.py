@@ -417,10 +417,10 @@ class TrainConfig:
                  f"{self.trainer.minibatches} exceeds rollout.prompts_per_step={self.rollout.prompts_per_step}: "
                  "minibatches split the step's groups")
         world = self.dist.world_size
-        _require(self.rollout.placement == "colocated" or (world == 2 and self.dist.nnodes == 1), "rollout.placement",
-                 f"split runs one trainer rank and one generator rank on one node: set dist.nproc_per_node=2 and "
-                 f"dist.nnodes=1 (not {self.dist.nproc_per_node} x {self.dist.nnodes} processes; more of either kind "
-                 "is not built yet)")
+        _require(self.rollout.placement == "colocated" or world == 2, "rollout.placement",
+                 f"split runs one trainer rank and one generator rank: set dist.nproc_per_node=2 on one node, or "
+                 f"dist.nproc_per_node=1 on two (dist.nnodes=2; not {self.dist.nproc_per_node} x {self.dist.nnodes} "
+                 "processes; more of either kind is not built yet)")
         if self.rollout.placement == "split":
             world = 1  # the trainer's share: every prompt of the step
         _require(world % self.rollout.tensor_parallel_size == 0, "rollout.tensor_parallel_size",

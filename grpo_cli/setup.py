@@ -239,8 +239,12 @@ def build_engine(cfg: TrainConfig, task: Task, weights: str, policy: torch.nn.Mo
     `given` (one process) with those weights pushed in; inside the tool loop when the recipe has tools (each
     rank runs its own samples' tools); at world size > 1 this rank's inside a ShardedEngine. A split job's is
     the generator rank's, reached over the channel (its tools run there: generator.py)."""
-    if cfg.rollout.placement == "split":
-        return RemoteEngine(current(), task.tokenizer, weights)
+    if cfg.rollout.placement == "split":  # the generator starts from the base, which its node has as this one does;
+        # a resume's weights are in a checkpoint on this node's disk, so they go over the channel (docs/async.md)
+        remote = RemoteEngine(current(), task.tokenizer, task.model_path)
+        if weights != task.model_path:
+            remote.push_weights(checkpoint_weights(weights).items())
+        return remote
     builders = {
         "vllm": lambda: VLLMEngine(weights, cfg.model, cfg.rollout, cfg.trainer.seed, cfg.logging.verbose_libraries,
                                    sleep=sleep_wanted(cfg.rollout, dist.device), world_size=dist.world_size),

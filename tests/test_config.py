@@ -74,9 +74,9 @@ def test_trainer_loss_accepts_exactly_the_losses_table():
     (lambda: RolloutConfig(placement="apart"), "rollout.placement: 'apart' is not one of colocated, split"),
     (lambda: RolloutConfig(placement="split", engine="hf"), "rollout.placement: split gives the generator rank"),
     (lambda: TrainConfig(task="t", rewards=[RewardSpec(name="correct")], rollout=RolloutConfig(placement="split")),
-     "rollout.placement: split runs one trainer rank and one generator rank on one node"),
+     "rollout.placement: split runs one trainer rank and one generator rank: set dist.nproc_per_node=2"),
     (lambda: TrainConfig(task="t", rewards=[RewardSpec(name="correct")], rollout=RolloutConfig(placement="split"),
-                         dist=DistConfig(nproc_per_node=1, nnodes=2)), "rollout.placement: split runs one trainer"),
+                         dist=DistConfig(nproc_per_node=2, nnodes=2)), "rollout.placement: split runs one trainer"),
 ])
 def test_settings_that_cannot_sample_ahead_or_split_are_refused(build, message):
     """rollout.max_staleness > 0 samples while the trainer steps: what cannot run beside the update is refused

@@ -437,8 +437,10 @@ def test_check_counts_the_engine_where_the_run_puts_it_and_awake_when_it_samples
     split = cli("check", "recipe=bike_pricing_qwen7b_lora", "rollout.placement=split", "dist.nproc_per_node=2",
                 "rollout.max_staleness=1").stdout
     assert f"peak {trainer:.1f} GiB on the trainer rank's GPU (its node's first; no engine there)" in split
-    assert f"the generator rank's GPU (its node's second; the first, beside the trainer, on a node of one): " \
+    assert f"the generator rank's GPU (the node's second; the first, beside the trainer, on a node of one): " \
            f"vLLM {engine:.1f} GiB awake" in split and "throughout (a split job's engine never sleeps)" in split
+    assert "the generator rank's GPU (its own node's first)" in cli(
+        "check", "recipe=bike_pricing_qwen7b_lora", "rollout.placement=split", "dist.nnodes=2").stdout
     refused = cli("check", "recipe=bike_pricing_qwen7b_lora", "rollout.placement=split", "dist.nproc_per_node=2",
                   "rollout.sleep_mode=on")
     assert refused.returncode == 2 and "rollout.sleep_mode: on: a split job's engine" in refused.stderr

@@ -1,6 +1,6 @@
 """rollout.placement=split (tier 3: minutes): `grpo train` as 2 processes, rank 0 trains and rank 1 samples
 ahead with a vLLM engine on the shipped model, against one process sampling the same batches; either rank
-SIGKILLed and the job resumed; a generator rank that fails as it starts; the channel's waits on each side. The one-process K=1 runs are in tests/test_async.py; the two files are apart so
+SIGKILLed and the job resumed; the job over two simulated nodes; a generator rank that fails as it starts; the channel's waits on each side. The one-process K=1 runs are in tests/test_async.py; the two files are apart so
 that the suite's two workers can run them side by side.
 """
 
@@ -78,6 +78,27 @@ def test_a_split_job_trains_as_one_process_with_the_same_schedule(tmp_path, spli
     assert all(abs(m - o) < 1e-6 for m, o in mismatch), mismatch
     assert steps == ones
     a, b = final(split_dir), final(one_dir)
+    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+
+
+def test_a_split_job_over_two_simulated_nodes_is_the_one_node_job(tmp_path, split_run):
+    """Two launchers on this machine (dist.nnodes=2, one process each: node 0's rank trains, node 1's generates,
+    the generator starting from the base as a node without the trainer's files would): the one-node job's bits."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "nodes"
+    nodes = [subprocess.Popen([sys.executable, "-m", "grpo_cli", "train", *SPLIT, f"output_dir={out}",
+                               "rollout.placement=split", "dist.nnodes=2", f"dist.node_rank={r}",
+                               f"dist.rdzv_endpoint=127.0.0.1:{port}"], cwd=REPO, env=ONE_THREAD,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    outputs = [node.communicate(timeout=600) for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], [err[-2000:] for _, err in outputs]
+    (run_dir,) = (out / "bike_pricing").iterdir()
+    assert logged(run_dir) == logged(split_run)
+    a, b = final(run_dir), final(split_run)
     assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
 
 

@@ -6,7 +6,7 @@
 Calls the tool as a run with `timeout_s: null` does (in this process, no worker), on a program that prints
 one line, after 3 calls not counted: the median and the 90th percentile of the wall time per call, sandboxed
 (bwrap, the namespaces, the call's cgroup) and with `sandbox: none`. The sandbox's own share is the
-difference. The figure the sandbox aims at (issue 36): a median of at most 100 ms a call. No assertion on
+difference. The figure the sandbox aims at (issue 53): a median of at most 40 ms a call. No assertion on
 timings: a measuring tool, not a test.
 """
 

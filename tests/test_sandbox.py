@@ -253,6 +253,7 @@ def test_each_call_removes_its_cgroups(monkeypatch):
 
     monkeypatch.setattr(sandbox, "CallGroup", Recorded)
     assert run("print(sum(range(10)))") == ("45", True)
+    sandbox.settle()  # removed off the call's path
     (group,) = made
     assert group.dirs and not any(d.exists() for d in group.dirs)
 
@@ -320,7 +321,7 @@ def test_a_trusted_tools_worker_in_the_sandbox_reaches_nothing_of_the_host(tmp_p
         tool.worker.close()
     assert result.ok, result.text
     seen = json.loads(result.text)
-    assert seen["uid"] == 65534 and seen["processes"] <= 3 and not seen["secret"] and not seen["home"]
+    assert seen["uid"] == (sandbox.host_id() or sandbox.SANDBOX_UID) != 0 and seen["processes"] <= 3 and not seen["secret"] and not seen["home"]
     assert seen["own_module"] and seen["tamper"] != "written" and seen["network"] != "connected"
     assert not Path(__file__).read_text().endswith("# tampered\n")
 
@@ -381,3 +382,217 @@ def test_what_a_sandboxed_worker_sends_back_is_never_unpickled_and_half_a_frame_
         assert half.failure == "timeout" and time.monotonic() - started < 10  # the call's limit, not forever
     finally:
         tool.worker.close()
+
+
+# --------------------------------------------------------------------------------- issue 53: whoever runs it
+# The trainer runs as root here, as in many containers: each attack below got through before issue 53.
+
+SYSCALLS = {"x86_64": {"add_key": 248, "request_key": 249, "keyctl": 250, "unshare": 272, "mount": 165,
+                       "clone3": 435},
+            "aarch64": {"add_key": 217, "request_key": 218, "keyctl": 219, "unshare": 97, "mount": 40,
+                        "clone3": 435}}[os.uname().machine]
+SYSCALL_HELPER = f"""import ctypes, errno, json
+NR = {SYSCALLS!r}
+libc = ctypes.CDLL(None, use_errno=True)
+def call(name, *args):
+    return "ok" if libc.syscall(NR[name], *args) >= 0 else errno.errorcode[ctypes.get_errno()]
+"""
+
+
+def test_the_code_is_no_host_root_for_the_kernel():
+    """It runs as an unprivileged host uid with no capability: a kernel setting written back with its own value
+    (harmless if it got through) and root-only /proc files are refused."""
+    code = """import json, os
+seen = {"ids": [*os.getresuid(), *os.getresgid()], "groups": os.getgroups()}
+status = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines())
+seen["caps"] = [status[k].strip() for k in ("CapEff", "CapPrm", "CapBnd")]
+for path in ("/proc/sys/kernel/core_pattern", "/proc/sys/vm/overcommit_ratio", "/proc/sys/kernel/hostname"):
+    try:
+        value = open(path).read()
+        with open(path, "w") as f:
+            f.write(value)
+        seen[path] = "written"
+    except OSError as e:
+        seen[path] = type(e).__name__
+for path in ("/proc/kcore", "/proc/1/environ", "/proc/keys"):
+    try:
+        seen[path] = len(open(path, "rb").read(16))
+    except OSError as e:
+        seen[path] = type(e).__name__
+print(json.dumps(seen))
+"""
+    text, ok = run(code)
+    assert ok, text
+    seen = json.loads(text)
+    uid = sandbox.host_id() if os.geteuid() == 0 else sandbox.SANDBOX_UID
+    assert uid not in (None, 0) and seen["ids"] == [uid] * 6 and seen["groups"] == [], seen
+    assert seen["caps"] == ["0000000000000000"] * 3, seen
+    assert all(seen[p] in ("PermissionError", "OSError") for p in ("/proc/sys/kernel/core_pattern",
+               "/proc/sys/vm/overcommit_ratio", "/proc/sys/kernel/hostname")), seen
+    assert all(isinstance(seen[p], str) or seen[p] == 0 for p in ("/proc/kcore", "/proc/1/environ", "/proc/keys"))
+
+
+def test_the_code_cannot_make_a_namespace_or_mount_to_lift_its_limits():
+    """A nested user namespace (every capability inside) could mount the cgroup hierarchy and raise the call's
+    memory and pids limits: no namespace of any kind can be made, nothing mounted, while plain forks and
+    subprocess (clone3 answers ENOSYS, and the C library falls back to clone) still work."""
+    code = SYSCALL_HELPER + """import os, subprocess
+seen = {"userns": call("unshare", 0x10000000), "mountns": call("unshare", 0x00020000),
+        "cgroupns": call("unshare", 0x02000000), "clone3": call("clone3", 0, 0),
+        "mount": call("mount", b"none", b"/tmp", b"cgroup2", 0, 0)}
+seen["subprocess"] = subprocess.run(["/bin/echo", "child"], capture_output=True, text=True).stdout.strip()
+print(json.dumps(seen))
+"""
+    text, ok = run(code)
+    assert ok, text
+    assert json.loads(text) == {"userns": "EPERM", "mountns": "EPERM", "cgroupns": "EPERM", "clone3": "ENOSYS",
+                                "mount": "EPERM", "subprocess": "child"}
+
+
+def _keyctl(*args):
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    result = libc.syscall(SYSCALLS["keyctl"], *args)
+    return result if result >= 0 else -ctypes.get_errno()
+
+
+def test_keyrings_do_not_cross_the_boundary():
+    """A secret in the trainer's session keyring is out of reach (no keyring call but joining a new empty one,
+    /proc/keys masked); a key planted in any keyring stays nowhere: not on the host, not for the next call."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    name = f"grpo-test-{uuid.uuid4().hex}".encode()
+    assert _keyctl(1, name) > 0  # this test process joins a session keyring of its own, then stores a secret
+    secret = libc.syscall(SYSCALLS["add_key"], b"user", b"grpo-secret", b"hunter2", 7, -3)  # @s
+    assert secret > 0
+    plant = SYSCALL_HELPER + """seen = {}
+for ring, spec in (("session", -3), ("user", -4), ("user_session", -5)):
+    seen["add_" + ring] = call("add_key", b"user", b"planted", b"from-the-sandbox", 16, spec)
+    seen["search_" + ring] = call("keyctl", 10, spec, b"user", b"grpo-secret", 0)  # KEYCTL_SEARCH
+seen["read_secret"] = call("keyctl", 11, """ + str(secret) + """, 0, 0)  # KEYCTL_READ by id
+seen["join_named"] = call("keyctl", 1, b\"""" + name.decode() + """\")
+seen["join_new"] = call("keyctl", 1, 0)
+seen["request"] = call("request_key", b"user", b"planted", 0, -3)
+try:
+    seen["proc_keys"] = open("/proc/keys").read()
+except OSError as e:
+    seen["proc_keys"] = type(e).__name__
+print(json.dumps(seen))
+"""
+    for _ in range(2):  # the second call finds nothing of the first
+        text, ok = run(plant)
+        assert ok, text
+        seen = json.loads(text)
+        assert seen.pop("join_new") == "ok", seen  # the one request let through
+        assert "hunter2" not in text and "grpo-secret" not in seen["proc_keys"], seen
+        assert seen.pop("proc_keys") in ("", "PermissionError"), seen
+        assert set(seen.values()) == {"EPERM"}, seen
+    assert _keyctl(10, -3, b"user", b"planted", 0) < 0 and _keyctl(10, -4, b"user", b"planted", 0) < 0
+    buf = ctypes.create_string_buffer(64)
+    assert libc.syscall(SYSCALLS["keyctl"], 11, secret, buf, 64) == 7 and buf.value == b"hunter2"  # still ours
+
+
+def test_the_code_spends_no_host_disk(tmp_path, monkeypatch):
+    """Its output is a pipe the tool reads up to the limit: fallocate on it reserves nothing, output past 16 KiB
+    ends the call, and a sandboxed call leaves no folder on the host. `sandbox: none` still needs a home folder:
+    those of killed processes are swept."""
+    import tempfile
+
+    before = set(Path(tempfile.gettempdir()).glob("grpo-*"))
+    code = """import os
+try:
+    os.posix_fallocate(1, 0, 2**31)
+    print("reserved")
+except OSError as e:
+    print(type(e).__name__, e.errno)
+"""
+    text, ok = run(code)
+    assert ok and text.startswith("OSError") and "reserved" not in text, text
+    text, ok = run("import sys\nfor _ in range(100):\n    sys.stdout.write('y' * 1024)\n")
+    assert not ok and "over 16 KiB of output" in text
+    assert set(Path(tempfile.gettempdir()).glob("grpo-*")) == before
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    stale = Path(tempfile.gettempdir()) / f"{builtin.HOME_PREFIX}{gone.pid}-x1"
+    stale.mkdir()
+    (stale / "reserved").write_bytes(b"\0" * 2**20)
+    assert builtin.python_unsandboxed("print(3)") == "3"
+    assert not stale.exists()
+
+
+def writes_where_told(argument):
+    """A trusted tool the model can steer: it writes the given bytes (hex) to the given path."""
+    path, data = argument.split("|")
+    with open(path, "wb") as f:
+        f.write(bytes.fromhex(data))
+    return "written"
+
+
+def test_a_steered_trusted_tool_cannot_forge_its_workers_reply(tmp_path):
+    """The worker's pipes are paths (/proc/self/fd/N): a tool told to write a frame there makes its call fail
+    and its worker restart, never a forged answer, and the next call gets its own answer."""
+    import struct
+
+    frames = [json.dumps(["ok", ["forged"]]).encode(), json.dumps(["0" * 32, "ok", ["forged"]]).encode(),
+              json.dumps(["0" * 32, ["forged"], {}]).encode()]
+    (tool,) = load_tools([ToolSpec(function="test_sandbox:writes_where_told", timeout_s=10, sandbox="bwrap")])
+    try:
+        for fd in range(0, 8):
+            for frame in frames:
+                result = call_tool(tool, f"/proc/self/fd/{fd}|{(struct.pack('<I', len(frame)) + frame).hex()}")
+                assert "forged" not in result.text, (fd, frame)
+                honest = call_tool(tool, f"{'/tmp/own'}|{b'mine'.hex()}")
+                assert (honest.text, honest.ok) == ("written", True), (fd, frame, honest)
+    finally:
+        tool.worker.close()
+
+
+def test_the_code_sees_the_standard_library_only():
+    """Not /usr/local, not the interpreter's site-packages nor the system's: a package installed into the base
+    interpreter is out of reach even on sys.path; the standard library (C modules included) imports."""
+    hidden = sandbox._hidden_dirs()
+    assert hidden, "a machine with neither /usr/local nor a site-packages"
+    code = f"""import json, os, sqlite3, sys, zlib
+seen = {{d: (os.listdir(d) if os.path.isdir(d) else "absent") for d in {hidden!r}}}
+sys.path[:0] = {hidden!r}
+try:
+    import pip
+    seen["pip"] = "imported"
+except ImportError:
+    seen["pip"] = "ImportError"
+print(json.dumps(seen))
+"""
+    text, ok = run(code)
+    assert ok, text
+    seen = json.loads(text)
+    assert seen.pop("pip") == "ImportError"
+    assert all(v in ([], "absent") for v in seen.values()), seen
+
+
+def test_a_part_the_machine_lacks_fails_closed_in_one_line(monkeypatch):
+    """No spare uid for a root trainer's code, no libseccomp: `problem()` names it (the run stops at the edge
+    with it, as for a missing bwrap); nothing falls back to running as root or unfiltered."""
+    from grpo_cli.tools import seccomp
+
+    def forget():
+        for cached in (sandbox.problem, sandbox.host_id, seccomp.program):
+            cached.cache_clear()
+
+    def missing():
+        raise OSError("libseccomp is not installed (libseccomp.so.2: cannot open shared object file)")
+
+    try:
+        if os.geteuid() == 0:
+            forget()
+            monkeypatch.setattr(sandbox, "SPARE_HOST_IDS", range(0, 1))  # root's own: taken
+            assert sandbox.problem().startswith("no spare uid in 0-0 for the code to run as")
+            monkeypatch.undo()
+        forget()
+        monkeypatch.setattr(seccomp, "_library", missing)
+        assert sandbox.problem().startswith("libseccomp is not installed")
+    finally:
+        monkeypatch.undo()
+        forget()
+    assert sandbox.problem() is None

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
 from fractions import Fraction
-from typing import IO
+from pathlib import Path
 
 import grpo_cli.tools.sandbox as sandbox
 from grpo_cli.rewards.arithmetic import parse_expression
@@ -49,18 +48,15 @@ PYTHON_CPU_SECONDS = 5  # CPU time (RLIMIT_CPU); a loop forever is killed by the
 PYTHON_WALL_SECONDS = 8.0  # wall time (a sleep uses no CPU), then every process of the call is killed; under timeout_s's 10
 PYTHON_MEMORY_BYTES = 512 * 2**20  # address space per process (RLIMIT_AS); in the sandbox also all processes together
 PYTHON_PROCESSES = 32  # processes (and threads) at once, in the sandbox (its cgroup's pids.max)
-PYTHON_OUTPUT_BYTES = 16 * 2**10  # stdout + stderr (RLIMIT_FSIZE on the file they go to)
+PYTHON_OUTPUT_BYTES = 16 * 2**10  # stdout + stderr, read from a pipe up to this; more ends the call (and RLIMIT_FSIZE)
 PYTHON_KEPT_ENV = ("PATH", "LANG", "LC_ALL", "TZ")  # unsandboxed: everything else (API keys, tokens) is dropped
 
 
-# The child sets its own limits (from its arguments), then runs the code; no preexec_fn, which is unsafe in
-# a process with threads (the trainer's, when a tool runs in process).
-_BOOTSTRAP = """import resource, sys
-try:  # Linux: killed with its parent (a tool worker killed on its timeout takes the code with it)
-    import ctypes
-    ctypes.CDLL(None).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
-except Exception:
-    pass
+# The child joins a new session keyring (sandbox.KEYRING_BOOT) and sets its own limits (from its arguments),
+# then runs the code; no preexec_fn, which is unsafe in a process with threads (the trainer's, when a tool runs
+# in process).
+_BOOTSTRAP = sandbox.KEYRING_BOOT + """import resource, sys
+_F(("prctl", _D))(1, 9)  # PR_SET_PDEATHSIG, SIGKILL: killed with its parent (a tool worker killed on its timeout)
 cpu, memory, output, code = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 for limit, value in ((resource.RLIMIT_CPU, cpu), (resource.RLIMIT_AS, memory), (resource.RLIMIT_FSIZE, output),
                      (resource.RLIMIT_CORE, 0)):
@@ -94,23 +90,28 @@ def _stopped(exit_code: int | None, oom_killed: bool, full: bool, sandboxed: boo
     return f"exited with code {exit_code}" if exit_code != 0 else None
 
 
-def _run_bare(program: list[str], root: str, out: IO[bytes]) -> int | None:
+HOME_PREFIX = "grpo-python-"  # `sandbox: none`'s home folders: grpo-python-PID-XXXX in the system's temp folder
+
+
+def _sweep_homes() -> None:
+    """Remove the home folders of `sandbox: none` calls whose process is gone (a tool worker killed on its
+    timeout mid-call leaves its folder and what the code wrote there)."""
+    import shutil
+
+    for folder in Path(tempfile.gettempdir()).glob(f"{HOME_PREFIX}*-*"):
+        pid = folder.name[len(HOME_PREFIX):].split("-")[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _run_bare(program: list[str]) -> tuple[int | None, bytes, bool]:
     """The code as the trainer's user, in an empty folder, without the trainer's environment (no sandbox)."""
-    home = os.path.join(root, "home")
-    os.mkdir(home)
-    env = {k: os.environ[k] for k in PYTHON_KEPT_ENV if k in os.environ} | {"HOME": home, "TMPDIR": home}
-    proc = subprocess.Popen([sys.executable, "-I", *program], cwd=home, env=env, stdin=subprocess.DEVNULL, stdout=out,
-                            stderr=out, start_new_session=True)  # its own group: a timeout kills what it started
-    try:
-        exit_code: int | None = proc.wait(PYTHON_WALL_SECONDS)
-    except subprocess.TimeoutExpired:
-        exit_code = None
-    try:  # whatever it started in its group goes too (a setsid escapes this: docs/sandbox.md)
-        os.killpg(proc.pid, 9)
-    except (ProcessLookupError, PermissionError):
-        pass
-    proc.wait()
-    return exit_code
+    _sweep_homes()
+    with tempfile.TemporaryDirectory(prefix=f"{HOME_PREFIX}{os.getpid()}-") as home:
+        env = {k: os.environ[k] for k in PYTHON_KEPT_ENV if k in os.environ} | {"HOME": home, "TMPDIR": home}
+        # its own session: what it started in its group goes too at the end (a setsid escapes this: docs/sandbox.md)
+        return sandbox.supervise([sys.executable, "-I", *program], PYTHON_WALL_SECONDS, PYTHON_OUTPUT_BYTES, env,
+                                 cwd=home)
 
 
 def _run_python(code: str, sandboxed: bool) -> str:
@@ -119,21 +120,17 @@ def _run_python(code: str, sandboxed: bool) -> str:
     if "\0" in code:
         raise ToolFailed("could not run the code (ValueError: a NUL byte)")
     oom_killed = False
-    with tempfile.TemporaryDirectory(prefix="grpo-python-") as root:
-        out_path = os.path.join(root, "output")  # out of the code's sight: it writes through its stdout only
-        with open(out_path, "wb") as out:
-            try:
-                if sandboxed:
-                    call = sandbox.Limits(PYTHON_WALL_SECONDS, PYTHON_MEMORY_BYTES, PYTHON_PROCESSES)
-                    finished = sandbox.run([sandbox.interpreter(), "-I", "-S", *program], call, out)  # stdlib only
-                    exit_code, oom_killed = finished.exit_code, finished.oom_killed
-                else:
-                    exit_code = _run_bare(program, root, out)
-            except OSError as e:  # the sandbox could not be made for this call: fail closed
-                raise ToolFailed(f"could not run the code ({type(e).__name__}: {e})"[:200]) from None
-        with open(out_path, "rb") as f:
-            text = f.read(PYTHON_OUTPUT_BYTES).decode("utf-8", errors="replace").rstrip("\n")
-        full = os.path.getsize(out_path) >= PYTHON_OUTPUT_BYTES
+    try:
+        if sandboxed:
+            call = sandbox.Limits(PYTHON_WALL_SECONDS, PYTHON_MEMORY_BYTES, PYTHON_PROCESSES)
+            finished = sandbox.run([sandbox.interpreter(), "-I", "-S", *program], call, PYTHON_OUTPUT_BYTES)
+            exit_code, oom_killed, output, full = finished.exit_code, finished.oom_killed, finished.output, \
+                finished.output_cut  # stdlib only
+        else:
+            exit_code, output, full = _run_bare(program)
+    except OSError as e:  # the sandbox could not be made for this call: fail closed
+        raise ToolFailed(f"could not run the code ({type(e).__name__}: {e})"[:200]) from None
+    text = output.decode("utf-8", errors="replace").rstrip("\n")
     stopped = _stopped(exit_code, oom_killed, full, sandboxed)
     if stopped is None:
         return text

@@ -206,3 +206,4 @@ def close_tools(tools: list[LoadedTool]) -> None:
             worker.close()
     if (env := environment_of(tools)) is not None:
         env.close()
+    sandbox.settle()  # the last sandboxed calls' cgroups, removed off the calls' path

@@ -1,38 +1,50 @@
-"""A sandbox for model-written code: Linux namespaces through bubblewrap, and a cgroup per call (docs/sandbox.md).
+"""A sandbox for model-written code: Linux namespaces through bubblewrap, a seccomp filter and a cgroup per call
+(docs/sandbox.md).
 
-An RL policy is optimized toward whatever pays, so the code it writes is treated as hostile (issue 36). One
+An RL policy is optimized toward whatever pays, so the code it writes is treated as hostile (issues 36, 53). One
 call runs `bwrap` with:
-- every namespace new (user, PID, network, IPC, UTS, cgroup, mount): no network (a loopback of its own, down),
-  no host process visible or signalable, and every process of the call dies with its PID 1 (a double fork and
-  `setsid` do not leave it);
-- a root of its own: /usr read-only (and the interpreter's prefix when it lives elsewhere), a fresh /proc and
-  /dev, a private /tmp, a private working directory /scratch (also its home); no /home, /root, /etc, project,
-  run directory or host /tmp;
-- no capabilities, uid and gid 65534, an environment of PATH, HOME and the locale. bwrap itself starts with an
-  empty environment: it is the call's PID 1, and its /proc/1/environ is readable from inside;
-- a cgroup: the memory of all its processes together (swap and tmpfs included) and the number of processes.
-The code's own bootstrap (builtin.py) adds rlimits: CPU time, address space, output size.
+- every namespace new (PID, network, IPC, UTS, cgroup, mount; user too where the trainer is not root): no
+  network (a loopback of its own, down), no host process visible or signalable, and every process of the call
+  dies with its PID 1 (a double fork and `setsid` do not leave it);
+- never host root: a spare unprivileged host uid with no capability (`setpriv`) where the trainer is root,
+  else the trainer's own uid behind a user namespace with no further one (`_identity`);
+- a seccomp filter (seccomp.py): no keyrings but a new empty one, no new namespaces, no mounts, ...;
+- a root of its own: /usr read-only with /usr/local and every site-packages hidden, the interpreter's own files
+  bound back, a fresh /proc (/proc/sys read-only, keyrings and kernel memory masked) and /dev, a private /tmp,
+  a private working directory /scratch (also its home); no /home, /root, /etc, project, run directory or host
+  /tmp;
+- an environment of PATH, HOME and the locale. bwrap itself starts with an empty environment: it is the call's
+  PID 1, and its /proc/1/environ is readable from inside;
+- a cgroup: the memory of all its processes together (swap and tmpfs included) and the number of processes;
+- its output on a pipe read up to a limit (`supervise`): no host file is open to it.
+The code's own bootstrap (builtin.py) joins a new session keyring and adds rlimits: CPU time, address space.
 
-Where any part cannot be made (no bwrap, no user namespaces, no cgroup this user may create), `problem()` says
-why in one line and callers fail closed; nothing falls back to running the code bare.
+Where any part cannot be made (no bwrap, libseccomp, spare uid, user namespaces, or cgroup this user may
+create), `problem()` says why in one line and callers fail closed; nothing falls back to running the code bare.
 """
-
 from __future__ import annotations
 
 import functools
 import os
+import queue
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
-SANDBOX_UID = 65534  # "nobody": the code's uid and gid inside its user namespace
+from grpo_cli.tools.seccomp import filter_fd, program
+
+SANDBOX_UID = 65534  # "nobody": the code's uid and gid inside, where the trainer is not root (a user namespace)
+SPARE_HOST_IDS = range(61000, 62000)  # where the trainer is root: the code's host uid and gid, the first of these
+# that no account and no group has (a uid mapped to no one owns no file, and no key, of the host)
 CGROUP_FS = Path("/sys/fs/cgroup")
 INSIDE_PATH = "/usr/local/bin:/usr/bin:/bin"
 INSIDE_ENV = {"PATH": INSIDE_PATH, "HOME": "/scratch", "TMPDIR": "/tmp", "LANG": "C.UTF-8"}
+MASKED_PROC = ("/proc/keys", "/proc/key-users", "/proc/kcore", "/proc/sysrq-trigger", "/proc/timer_list")
 
 
 @dataclass(frozen=True)
@@ -46,6 +58,8 @@ class Limits:
 class Finished:
     exit_code: int | None  # of the first process; None: killed at the wall-time limit
     oom_killed: bool  # the kernel killed a process of the call at its memory limit
+    output: bytes = b""  # stdout and stderr together, at most the call's output limit
+    output_cut: bool = False  # it wrote more than that: stopped there and killed
 
 
 def interpreter() -> str:
@@ -54,15 +68,54 @@ def interpreter() -> str:
     return os.path.realpath(sys.executable)
 
 
-def _prefixes() -> list[str]:
-    """Folders besides /usr the interpreter needs (its installation, e.g. pyenv's), bound read-only."""
-    prefix = os.path.realpath(sys.base_prefix)
-    return [] if prefix == "/usr" or prefix.startswith("/usr/") else [prefix]
+def _base_paths() -> dict[str, str]:
+    """The base interpreter's install paths (not a venv's): its stdlib and its site-packages."""
+    import sysconfig
+
+    base = {"base": sys.base_prefix, "platbase": sys.base_exec_prefix, "installed_base": sys.base_prefix,
+            "installed_platbase": sys.base_exec_prefix}
+    return {k: os.path.realpath(v) for k, v in sysconfig.get_paths(vars=base).items()}
+
+
+def _interpreter_files() -> list[str]:
+    """What the interpreter itself needs, besides /usr's libraries: its binary, its standard library (with
+    lib-dynload) and its shared libpython when it has one."""
+    import glob
+    import sysconfig
+
+    paths = _base_paths()
+    files = [interpreter(), paths["stdlib"], paths["platstdlib"]]
+    if sysconfig.get_config_var("Py_ENABLE_SHARED") and (libdir := sysconfig.get_config_var("LIBDIR")):
+        files += sorted(glob.glob(os.path.join(os.path.realpath(libdir), f"libpython{sys.version_info.major}."
+                                               f"{sys.version_info.minor}*.so*")))
+    return list(dict.fromkeys(files))
+
+
+def _hidden_dirs() -> list[str]:
+    """Folders the code must not see even where their parent is bound: every site-packages of the base
+    interpreter and the system's (a reward package installed there would be readable), and /usr/local."""
+    import glob
+
+    paths = _base_paths()
+    hidden = [paths["purelib"], paths["platlib"], *glob.glob("/usr/lib/python3*/*-packages"), "/usr/local"]
+    return [d for d in dict.fromkeys(hidden) if os.path.isdir(d) and not os.path.islink(d)]
+
+
+def ancestors(paths: list[str]) -> list[str]:
+    """bwrap arguments that make the folders above `paths` (outside /usr) traversable inside: left to bwrap, they
+    copy the host's modes, and a root trainer's /root is 0700 to the code's uid."""
+    made: dict[str, None] = {}
+    for path in paths:
+        for parent in reversed(Path(path).parents):
+            if str(parent) not in ("/", "/usr") and not str(parent).startswith("/usr/"):
+                made[str(parent)] = None
+    return [arg for d in made for arg in ("--perms", "0755", "--dir", d)]
 
 
 @functools.cache
 def _binds() -> tuple[str, ...]:
-    """The read-only view of the host: /usr, its merged-/usr links, the loader's cache, the interpreter's prefix
+    """The read-only view of the host: /usr with /usr/local and every site-packages hidden (empty, read-only
+    tmpfs), its merged-/usr links, the loader's cache, and the interpreter's own files bound back where they lie
     (the same for every call of this process)."""
     binds = ["--ro-bind", "/usr", "/usr"]
     for top in ("bin", "lib", "lib64", "sbin"):  # merged-/usr systems have these as links into /usr
@@ -72,18 +125,63 @@ def _binds() -> tuple[str, ...]:
         elif host.is_dir():
             binds += ["--ro-bind", str(host), f"/{top}"]
     binds += ["--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache"]
-    for path in _prefixes():
-        binds += ["--ro-bind", path, path]
+    hidden, own = _hidden_dirs(), _interpreter_files()
+
+    def under(d: str, parents: list[str]) -> bool:
+        return any(d.startswith(parent.rstrip("/") + "/") for parent in parents)
+
+    binds += [arg for d in hidden if under(d, ["/usr"]) for arg in ("--perms", "0555", "--tmpfs", d)]
+    binds += ancestors(own) + [arg for path in own for arg in ("--ro-bind", path, path)]  # where /usr/local held them
+    binds += [arg for d in hidden if under(d, own) for arg in ("--perms", "0555", "--tmpfs", d)]  # pyenv's own
     return tuple(binds)
 
 
-def bwrap_argv(argv: list[str]) -> list[str]:
-    """The bwrap command line that runs `argv` in the sandbox (argv[0]: an absolute path inside it)."""
+@functools.cache
+def host_id() -> int | None:
+    """The code's host uid and gid where the trainer runs as root: the first of SPARE_HOST_IDS that no account
+    or group has. None where it is not root: bwrap's user namespace then maps the code to the trainer's own,
+    unprivileged uid. OSError when none is spare."""
+    if os.geteuid() != 0:
+        return None
+    import grp
+    import pwd
+
+    taken_uids = {p.pw_uid for p in pwd.getpwall()}
+    taken_gids = {g.gr_gid for g in grp.getgrall()}
+    for uid in SPARE_HOST_IDS:
+        if uid not in taken_uids and uid not in taken_gids:
+            return uid
+    raise OSError(f"no spare uid in {SPARE_HOST_IDS.start}-{SPARE_HOST_IDS.stop - 1} for the code to run as "
+                  "(every one is an account or a group)")
+
+
+def _identity() -> tuple[list[str], list[str]]:
+    """(bwrap's arguments for who the code is, the command it runs before the code). Never host root:
+    - trainer not root: a user namespace of bwrap's own (uid and gid 65534 inside, the trainer's unprivileged uid
+      outside), no capabilities, and no further user namespace (`--disable-userns`);
+    - trainer root: bwrap (root) makes the namespaces but a user one, and `setpriv` turns the code into a spare
+      host uid with no groups and no capability, bounding set included, before it runs: a user namespace made
+      by root would map the code to host root, which the kernel honours in /proc/sys and /proc (issue 53)."""
+    uid = host_id()
+    if uid is None:
+        return (["--unshare-user", "--disable-userns", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID),
+                 "--cap-drop", "ALL"], [])
+    setpriv = os.path.realpath(shutil.which("setpriv") or "/usr/bin/setpriv")
+    return [], [setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=-all",
+                "--bounding-set=-all", "--no-new-privs", "--"]
+
+
+def bwrap_argv(argv: list[str], seccomp_fd: int) -> list[str]:
+    """The bwrap command line that runs `argv` in the sandbox (argv[0]: an absolute path inside it), under the
+    seccomp filter read from `seccomp_fd` (seccomp.filter_fd(), passed to bwrap)."""
     env = [arg for k, v in INSIDE_ENV.items() for arg in ("--setenv", k, v)]
-    return [shutil.which("bwrap") or "bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
-            "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--hostname", "sandbox", *_binds(),
-            "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--dir", "/scratch", "--chdir", "/scratch",
-            "--clearenv", *env, "--", *argv]
+    user, before = _identity()
+    masked = [arg for path in MASKED_PROC if os.path.exists(path) for arg in ("--ro-bind", "/dev/null", path)]
+    return [shutil.which("bwrap") or "bwrap", "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts",
+            "--unshare-cgroup", *user, "--die-with-parent", "--new-session", "--hostname", "sandbox", *_binds(),
+            "--proc", "/proc", "--ro-bind", "/proc/sys", "/proc/sys", *masked, "--dev", "/dev",
+            "--perms", "01777", "--tmpfs", "/tmp", "--perms", "0777", "--dir", "/scratch", "--chdir", "/scratch",
+            "--clearenv", *env, "--seccomp", str(seccomp_fd), "--", *before, *argv]
 
 
 # ----------------------------------------------------------------------------------------------- cgroups
@@ -208,44 +306,138 @@ class CallGroup:
 # ------------------------------------------------------------------------------------------------ running
 
 
-def run(argv: list[str], limits: Limits, output: IO[bytes]) -> Finished:
-    """Run `argv` (argv[0] a path that exists inside: /usr/...) in the sandbox, stdout and stderr into
-    `output`, stdin closed; kill everything it started at the end. Raises OSError when the sandbox cannot be
-    made; never runs the code outside one."""
-    group = CallGroup(limits)
+def supervise(command: list[str], wall_s: float, max_output_bytes: int, env: dict[str, str], cwd: str,
+              pass_fds: tuple[int, ...] = ()) -> tuple[int | None, bytes, bool]:
+    """Start `command` in a session of its own, stdout and stderr into one pipe, stdin closed; read the pipe as it
+    fills, up to `max_output_bytes`, and wait for the exit on a pidfd (no polling: the call returns as soon as
+    it ends). Returns (exit code, None past `wall_s`; the output; whether there was more than the limit, which
+    also ends the call). Every process of the session is killed before it returns. The one home of a code
+    call's wait and output rules: the sandbox's calls and `sandbox: none`'s (builtin.py) both come here."""
+    import select
+
+    read_end, write_end = os.pipe()
     try:
-        command = group.join_prefix() + bwrap_argv(argv)
-        proc = subprocess.Popen(command, env={}, cwd="/", stdin=subprocess.DEVNULL, stdout=output, stderr=output,
-                                start_new_session=True)  # env={}: bwrap is PID 1 inside, its environ readable
+        proc = subprocess.Popen(command, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=write_end,
+                                stderr=write_end, start_new_session=True, pass_fds=pass_fds)
+    finally:
+        os.close(write_end)  # the call's processes hold the only write ends: EOF when they are gone
+    deadline = time.monotonic() + wall_s
+    chunks: list[bytes] = []
+    size, cut, exit_code, pidfd = 0, False, None, None
+    try:
+        pidfd = os.pidfd_open(proc.pid)
+        waiting = [read_end, pidfd]
+        while waiting and not cut:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            ready = select.select(waiting, [], [], left)[0]
+            if read_end in ready:
+                chunk = os.read(read_end, 65536)
+                if not chunk:
+                    waiting.remove(read_end)
+                chunks.append(chunk)
+                size += len(chunk)
+                cut = size > max_output_bytes
+            if pidfd in ready:
+                exit_code = proc.wait()  # it has exited: no wait here
+                waiting.remove(pidfd)
+                if read_end in waiting:  # what it wrote before it ended; a process it left that holds the pipe
+                    while select.select([read_end], [], [], 0)[0] and (chunk := os.read(read_end, 65536)):
+                        chunks.append(chunk)
+                        size += len(chunk)
+                        if size > max_output_bytes:
+                            cut = True
+                            break
+                    break
+    finally:
         try:
-            exit_code: int | None = proc.wait(limits.wall_s)
-        except subprocess.TimeoutExpired:
-            exit_code = None
-        try:
-            os.killpg(proc.pid, 9)  # bwrap's own process; the call's PID 1 dies with it (--die-with-parent)
+            os.killpg(proc.pid, 9)  # what is left of the session (the sandbox's PID 1 dies with bwrap)
         except (ProcessLookupError, PermissionError):
             pass
         proc.wait()
-        group.kill_all()
-        return Finished(exit_code, group.oom_killed())
+        os.close(read_end)
+        if pidfd is not None:
+            os.close(pidfd)
+    if cut:
+        exit_code = proc.returncode
+    return exit_code, b"".join(chunks)[:max_output_bytes], cut
+
+
+def run(argv: list[str], limits: Limits, max_output_bytes: int) -> Finished:
+    """Run `argv` (argv[0] a path that exists inside: /usr/...) in the sandbox, stdin closed; return its exit,
+    and its stdout and stderr together up to `max_output_bytes` (a pipe: the code holds no host file). Every
+    process it started is killed by then (the sandbox's PID namespace ends with bwrap); its cgroup is emptied
+    and removed just after, off the call's path (`settle`). Raises OSError when the sandbox cannot be made; never runs the code
+    outside one."""
+    group = CallGroup(limits)
+    try:
+        fd = filter_fd()
+        try:  # env={}: bwrap is PID 1 inside, its environ readable
+            exit_code, output, cut = supervise(group.join_prefix() + bwrap_argv(argv, fd), limits.wall_s,
+                                               max_output_bytes, env={}, cwd="/", pass_fds=(fd,))
+        finally:
+            os.close(fd)
+        return Finished(exit_code, group.oom_killed(), output, cut)
     finally:
-        group.remove()
+        _sweep_later(group)
+
+
+# A call's cgroup is emptied and removed off the call's path: its processes are already dying (bwrap's exit ends
+# the sandbox's PID namespace) but linger in cgroup.procs for a few ms, and waiting for that cost a harmless call
+# 5 ms of its ~35 (issue 53). One thread per process does it; a process that dies first leaves the folders to
+# the next one's _remove_orphans.
+_SWEEPS: queue.Queue[CallGroup] = queue.Queue()
+_SWEEPER: list[threading.Thread] = []  # started on the first call
+_SWEEPER_LOCK = threading.Lock()
+
+
+def _sweep() -> None:
+    while True:
+        group = _SWEEPS.get()
+        try:
+            group.kill_all(wait_s=5.0)
+            group.remove()
+        finally:
+            _SWEEPS.task_done()
+
+
+def _sweep_later(group: CallGroup) -> None:
+    with _SWEEPER_LOCK:
+        if not _SWEEPER:
+            _SWEEPER.append(threading.Thread(target=_sweep, name="grpo-sandbox-sweep", daemon=True))
+            _SWEEPER[0].start()
+    _SWEEPS.put(group)
+
+
+def settle() -> None:
+    """Wait until every finished call's cgroup is gone (tests, and a run's end)."""
+    _SWEEPS.join()
 
 
 @functools.cache
 def problem() -> str | None:
-    """Why the sandbox cannot be made on this machine, in one line; None when a trial call runs in it."""
+    """Why the sandbox cannot be made on this machine, in one line; None when a trial call runs in it as the
+    unprivileged uid it should, under the seccomp filter."""
     if shutil.which("bwrap") is None:
         return "bwrap (bubblewrap) is not on PATH; `make install` installs it on Debian and Ubuntu"
-    trial = Limits(wall_s=10.0, memory_bytes=256 * 2**20, processes=8)
     try:
-        with open(os.devnull, "wb") as sink:
-            finished = run([interpreter(), "-I", "-S", "-c", "import os; assert os.getuid() == 65534"], trial, sink)
+        program()
+        uid = host_id()
+    except OSError as e:
+        return " ".join(str(e).split())[:200]
+    if uid is not None and shutil.which("setpriv") is None:
+        return "setpriv (util-linux) is not on PATH: a root trainer's sandbox needs it to drop root"
+    inside = uid if uid is not None else SANDBOX_UID
+    trial = Limits(wall_s=10.0, memory_bytes=256 * 2**20, processes=8)
+    check = (f"import os; assert os.getresuid() == (({inside},) * 3) and os.getresgid() == (({inside},) * 3), "
+             "os.getresuid()")
+    try:
+        finished = run([interpreter(), "-I", "-S", "-c", check], trial, 4096)
     except OSError as e:
         return f"cannot make the call's cgroup ({' '.join(str(e).split())[:160]})"
     if finished.exit_code != 0:
-        out = subprocess.run(bwrap_argv(["/bin/true"]), capture_output=True, text=True, env={}, timeout=10)
-        why = " ".join(out.stderr.split())[:160] or f"exit code {finished.exit_code}"
+        why = " ".join(finished.output.decode(errors="replace").split())[-160:] or f"exit code {finished.exit_code}"
         return f"bwrap cannot start a sandbox here ({why}); user namespaces may be off"
     return None
 
@@ -253,34 +445,54 @@ def problem() -> str | None:
 # ------------------------------------------------------------------------------- a tool's worker inside
 
 
-# The worker's loop inside the sandbox: length-prefixed frames, pickles in on stdin (the trainer's), JSON out on
-# the fd stdout was (the tool's own prints go to stderr, so they cannot break the frames). What comes out of the
-# sandbox is never unpickled: a tool steered into running code there could otherwise run it in the trainer. A
-# value that is not text is reported as a "type" failure, the words call_tool uses for it. It imports the
-# function by module and name.
-_WORKER_BOOT = """import json, os, pickle, struct, sys
+# First thing in the sandbox's Python bootstraps (the python tool's, a worker's): a new, empty, anonymous session
+# keyring, the one keyctl request the seccomp filter lets through, so the call does not even possess the
+# trainer's (docs/sandbox.md). keyctl's number: x86-64 250, arm64 219. It calls libc through `_ctypes` itself:
+# importing the `ctypes` package costs a harmless call 6 ms of its ~35 (issue 53). `_F(("name", _D))` is a libc
+# function returning a C long; the python tool's bootstrap uses it for prctl too.
+KEYRING_BOOT = """import _ctypes as _c, os as _o
+class _L(_c._SimpleCData):
+    _type_ = "l"
+class _F(_c.CFuncPtr):
+    _flags_ = _c.FUNCFLAG_CDECL
+    _restype_ = _L
+class _D:
+    _handle = _c.dlopen(None, 0)
+_n = {"x86_64": 250, "aarch64": 219}.get(_o.uname().machine)
+if _n is None or _F(("syscall", _D))(_n, 1, 0) < 0:
+    raise SystemExit("sandbox: cannot join a new session keyring")
+"""
+
+# The worker's loop inside the sandbox: length-prefixed frames on stdin and on the fd stdout was (the tool's own
+# prints go to stderr, so they cannot break the frames). In: one pickle, the function (by module and name) and
+# the start's key, read before any tool code runs; then JSON requests. Out: JSON, never unpickled by the trainer
+# (a tool steered into running code could otherwise run it there). Every request carries a fresh random key that
+# its answer must repeat: a tool steered into writing a frame into either pipe (/proc/self/fd/N is a path)
+# cannot know it, so a forged answer is caught, not taken (issue 53). A value that is not text is reported as a
+# "type" failure, the words call_tool uses for it.
+_WORKER_BOOT = KEYRING_BOOT + """import json, os, pickle, struct, sys
 sys.path[:0] = json.loads(sys.argv[1])
 out = os.fdopen(os.dup(1), "wb")
 os.dup2(2, 1)
 src = os.fdopen(0, "rb")
-def read():
+def read(decode):
     head = src.read(4)
     if len(head) < 4:
         sys.exit(0)
-    return pickle.loads(src.read(struct.unpack("<I", head)[0]))
+    return decode(src.read(struct.unpack("<I", head)[0]))
 def write(value):
     data = json.dumps(value).encode()
     out.write(struct.pack("<I", len(data)) + data)
     out.flush()
 from grpo_cli.rewards.worker import call_in_process
-fn = read()
-write(["ready", None])
+fn, key = read(pickle.loads)
+write([key, "ready", None])
 while True:
-    completions, kwargs = read()
+    key, completions, kwargs = read(json.loads)
     tag, values = call_in_process(fn, completions, kwargs)
     if tag == "ok" and (junk := next((v for v in values if not isinstance(v, str)), None)) is not None:
         tag, values = "type", f"returned {type(junk).__name__}, not text"
-    write([tag, values])
+    write([key, tag, values])
 """
 MAX_FRAME_BYTES = 2**24  # a frame out of the sandbox longer than this is the worker's failure (results are cut to 4 KiB)
 WORKER_LIMITS = Limits(wall_s=0.0, memory_bytes=512 * 2**20, processes=32)  # wall time: per call, the tool's
@@ -315,11 +527,9 @@ class SandboxedWorker:
     def twin(self, name: str) -> SandboxedWorker:
         return SandboxedWorker(name, self.fn, self.timeout_s)
 
-    def _send(self, value: Any) -> None:
-        import pickle
+    def _send(self, data: bytes) -> None:
         import struct
 
-        data = pickle.dumps(value)
         self.process.stdin.write(struct.pack("<I", len(data)) + data)
         self.process.stdin.flush()
 
@@ -338,8 +548,9 @@ class SandboxedWorker:
             data += chunk
         return data
 
-    def _receive(self, timeout_s: float) -> tuple[str, Any]:
-        """The next frame, read as JSON (never unpickled: it comes from the sandbox), within `timeout_s`."""
+    def _receive(self, key: str, timeout_s: float) -> tuple[str, Any]:
+        """The next frame, read as JSON (never unpickled: it comes from the sandbox), within `timeout_s`; a frame
+        that does not carry `key` was not written by the bootstrap: ValueError."""
         import json
         import struct
 
@@ -347,28 +558,37 @@ class SandboxedWorker:
         (size,) = struct.unpack("<I", self._read(4, deadline))
         if size > MAX_FRAME_BYTES:
             raise EOFError(f"a frame of {size} bytes")
-        tag, value = json.loads(self._read(size, deadline))
-        return str(tag), value
+        frame = json.loads(self._read(size, deadline))
+        if not (isinstance(frame, list) and len(frame) == 3 and frame[0] == key):
+            raise ValueError("a frame without this call's key")
+        return str(frame[1]), frame[2]
 
     def _start(self) -> tuple[str, Any] | None:
         import json
         import pickle
+        import secrets
 
         self.starts += 1
         roots = _import_roots(self.fn)
-        binds = [arg for root in roots for arg in ("--ro-bind", root, root)]
+        binds = ancestors(roots) + [arg for root in roots for arg in ("--ro-bind", root, root)]
+        key, fd = secrets.token_hex(16), -1
         try:
             self.group = CallGroup(WORKER_LIMITS)
-            argv = bwrap_argv([interpreter(), "-I", "-S", "-c", _WORKER_BOOT, json.dumps(roots)])
-            at = argv.index("--")
+            fd = filter_fd()
+            argv = bwrap_argv([interpreter(), "-I", "-S", "-c", _WORKER_BOOT, json.dumps(roots)], fd)
+            at = argv.index("--seccomp")
             command = self.group.join_prefix() + argv[:at] + binds + argv[at:]
             self.process = subprocess.Popen(command, env={}, cwd="/", stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                            stderr=subprocess.DEVNULL, start_new_session=True, bufsize=0)
-            self._send(self.fn)
-            tag, reason = self._receive(120.0)
+                                            stderr=subprocess.DEVNULL, start_new_session=True, bufsize=0,
+                                            pass_fds=(fd,))
+            self._send(pickle.dumps((self.fn, key)))
+            tag, reason = self._receive(key, 120.0)
         except (OSError, EOFError, TimeoutError, ValueError, pickle.PickleError) as e:
             self.kill()
             return "raised", f"its sandboxed worker did not start ({type(e).__name__}: {' '.join(str(e).split())[:160]})"
+        finally:
+            if fd >= 0:
+                os.close(fd)
         return None if tag == "ready" else (tag, reason)
 
     def call(self, completions: list, kwargs: dict[str, Any], timeout_s: float | None = None) -> tuple[str, Any]:
@@ -376,10 +596,17 @@ class SandboxedWorker:
         if self.process is None or self.process.poll() is not None:
             if (failure := self._start()) is not None:
                 return failure
-        limit = timeout_s or self.timeout_s
+        import json
+        import secrets
+
+        limit, key = timeout_s or self.timeout_s, secrets.token_hex(16)
         try:
-            self._send((completions, kwargs))
-            tag, value = self._receive(limit)
+            request = json.dumps([key, completions, kwargs]).encode()
+        except (TypeError, ValueError) as e:  # arguments JSON cannot carry
+            return "type", f"its call could not be passed to the sandbox: {type(e).__name__}"
+        try:
+            self._send(request)
+            tag, value = self._receive(key, limit)
         except TimeoutError:
             self.kill()
             return "timeout", f"timed out after {limit:g} s (worker killed)"
@@ -387,9 +614,9 @@ class SandboxedWorker:
             oom = self.group is not None and self.group.oom_killed()
             self.kill()
             return "raised", "its sandboxed worker died" + (" at its memory limit" if oom else "")
-        except Exception as e:  # noqa: BLE001 - inputs pickle cannot carry, a frame that is not JSON
+        except ValueError:  # a frame that is not JSON, or not this call's (forged inside)
             self.kill()
-            return "type", f"its call could not be passed to or from the sandbox: {type(e).__name__}"
+            return "type", "its sandboxed worker sent a malformed answer (worker killed)"
         well_formed = (isinstance(value, list) and len(value) == len(completions) and all(isinstance(v, str) for v in value)
                        if tag == "ok" else tag in ("raised", "type") and isinstance(value, str))
         if not well_formed:  # the bootstrap never writes such a frame: something else in the sandbox did

@@ -6,7 +6,7 @@ trainer runs step t, a thread samples the batch of step t+K on this rank's engin
 weights after step t-1; the push of step t's weights waits for that batch. The thread only generates: the
 main thread draws the prompts, gathers the ranks' shares, scores, trains and pushes, so every collective
 stays in one thread, in one order on every rank. With rollout.placement=split there is no thread: the
-generator rank samples while this one trains (generator.RemoteEngine.start_generate). The batches already
+generator rank samples while this one trains (engines.remote.RemoteEngine.start_generate). The batches already
 sampled go into each checkpoint's trainer state, so a resume (at any world size) trains on exactly the
 batches the run would have.
 """

@@ -74,6 +74,8 @@ def preflight(cfg: TrainConfig) -> Task:
         if not torch.cuda.is_available():
             raise UsageError(f"trainer.device={cfg.trainer.device}: no CUDA device here; use trainer.device=auto or cpu")
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    if cfg.rollout.placement == "split":  # one trainer rank takes every prompt; the other only generates
+        world = 1
     if world % cfg.rollout.tensor_parallel_size:
         raise UsageError(f"rollout.tensor_parallel_size: {cfg.rollout.tensor_parallel_size} does not divide the "
                          f"{world} processes (WORLD_SIZE): each engine spans that many of them")

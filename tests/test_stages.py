@@ -142,6 +142,12 @@ def test_a_batch_that_does_not_split_over_the_processes_is_refused_before_any_mo
     monkeypatch.setenv("WORLD_SIZE", "3")
     with pytest.raises(UsageError, match=r"8 does not split over 3 processes \(WORLD_SIZE\)"):
         preflight(cfg)
+    # a split job: WORLD_SIZE=2, one trainer takes every prompt, so an odd count runs (issue 54: check took it,
+    # and both ranks then refused it at start)
+    split = load_config("train", ["recipe=bike_pricing", "rollout.placement=split", "dist.nproc_per_node=2",
+                                  "rollout.prompts_per_step=7"])
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert preflight(split) is not None
 
 
 def test_each_rank_takes_a_contiguous_share_and_the_shares_cover_everything():

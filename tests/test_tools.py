@@ -46,6 +46,15 @@ def two_arguments(a, b):
     return a + b
 
 
+def parses_arguments(argument):
+    """A tool that parses the model's argument with argparse, which calls sys.exit on a malformed one."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="tool")
+    parser.add_argument("--days", type=int, required=True)
+    return str(parser.parse_args(argument.split()).days * 2)
+
+
 def upper(argument):
     return argument.upper()
 
@@ -241,6 +250,18 @@ class Ledger:
         return float(any(value == f"{float(self.answer):.2f}" for value in self.subtotals))
 
 
+class Waiter:
+    """A test environment whose one tool takes as long as it is told."""
+
+    def __init__(self, answer):
+        self.waits = 0
+
+    def wait(self, seconds):
+        self.waits += 1
+        time.sleep(float(seconds))
+        return f"#{self.waits} waited {seconds}"
+
+
 class Untyped:
     def __init__(self, **row):
         self.row = row
@@ -331,11 +352,11 @@ def test_only_the_classs_own_methods_are_tools_and_its_bad_answers_cost_only_the
     poke, = load_tools([], "tags", environment("Awkward", timeout_s=None))  # not helper, nor the inherited reward
     env, row = poke.environment, {"answer": "1"}
     key = env.new_key()
-    assert env.call(key, row, [], "poke", "int")[:2] == ("error: the tool ValueError: Exceeds the limit (4300 digits) "
+    assert env.call(key, row, [], "poke", "int")[0][:2] == ("error: the tool ValueError: Exceeds the limit (4300 digits) "
                                                          "for integer string conversion; use sys.set_int_max_str_digits() "
                                                          "to increase the limit", False)
-    assert env.call(key, row, [], "poke", "refuse")[:2] == ("error: not today", False)
-    assert env.call(key, row, [], "poke", "dict")[:2] == ("error: the tool returned dict, not text", False)
+    assert env.call(key, row, [], "poke", "refuse")[0][:2] == ("error: not today", False)
+    assert env.call(key, row, [], "poke", "dict")[0][:2] == ("error: the tool returned dict, not text", False)
     end = env.end(key, row, [])
     assert end.reward == 0.0 and end.state is None and "state() raised RuntimeError: no state today" in end.error
     mark, = load_tools([], "tags", environment("Board", timeout_s=None))
@@ -389,13 +410,14 @@ def test_each_sample_has_its_own_instance_and_a_killed_worker_rebuilds_them_by_r
     a, b = env.new_key(), env.new_key()
     history_a: list = []
     for expression, expected in (("3+4", "#1 7.00"), ("1+1", "#2 2.00")):
-        text, ok, replay = env.call(a, row, history_a, "subtotal", expression)
-        assert (text, ok, replay) == (expected, True, "replay")
+        (text, ok, failure), replay = env.call(a, row, history_a, "subtotal", expression)
+        assert (text, ok, failure, replay) == (expected, True, None, "replay")
         history_a.append(("subtotal", expression))
-    assert env.call(b, row, [], "subtotal", "5*5") == ("#1 25.00", True, "replay")  # b's own ledger, not a's
-    text, ok, replay = env.call(b, row, [("subtotal", "5*5")], "hang", "x")
+    assert env.call(b, row, [], "subtotal", "5*5") == (("#1 25.00", True, None), "replay")  # b's own ledger, not a's
+    (text, ok, failure), replay = env.call(b, row, [("subtotal", "5*5")], "hang", "x")
     assert not ok and "timed out after 2 s" in text and replay == "lost"  # the worker, and a's instance, are gone
-    assert env.call(a, row, history_a, "subtotal", "0.5+0.5") == ("#3 1.00", True, "replay")  # rebuilt: 2 replayed
+    assert failure == "timeout"  # a timeout, as a tool's: it counts toward rollout.max_tool_timeouts (issue 54)
+    assert env.call(a, row, history_a, "subtotal", "0.5+0.5") == (("#3 1.00", True, None), "replay")  # 2 replayed
     history_a.append(("subtotal", "0.5+0.5"))
     end = env.end(a, row, history_a)
     assert end.error is None and end.state == {"answer": "7", "subtotals": ["7.00", "2.00", "1.00"]} and end.reward == 1.0
@@ -1183,3 +1205,51 @@ def test_a_chat_template_that_shows_no_parsed_syntax_is_refused_not_run_with_zer
     (other / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": SHOWS_NO_SYNTAX}))
     refused = cli("check", "recipe=gsm8k_tools", f"model.name_or_path={other}")
     assert refused.returncode == 2 and "none of the call syntaxes parsed" in refused.stdout + refused.stderr
+
+
+@pytest.mark.parametrize("timeout_s", [None, 10.0])
+def test_a_tool_that_raises_system_exit_fails_its_call_and_never_hangs_the_pool(timeout_s):
+    """argparse exits (SystemExit) on a malformed model-written argument: in process or in its worker, that is
+    the call's failure; the pool's take returns (issue 54: it waited for ever)."""
+    import threading
+
+    from grpo_cli.tools.pool import StepCalls, ToolPool
+
+    (tool,) = load_tools([ToolSpec(function="test_tools:parses_arguments", timeout_s=timeout_s)])
+    calls, taken = StepCalls(ToolPool(2), None), []
+    calls.submit("bad", tool, "--days many")
+    calls.submit("good", tool, "--days 3")
+    taker = threading.Thread(target=lambda: [taken.extend(calls.take(block=True)) for _ in range(2) if calls.waiting],
+                             daemon=True)
+    taker.start()
+    taker.join(30)
+    try:
+        assert not taker.is_alive(), "take() hung"
+        results = {done.key: done.result for done in taken}
+        assert results["good"] == ("6", True, None)
+        assert not results["bad"].ok and "SystemExit" in results["bad"].text, results["bad"]
+    finally:
+        if tool.worker is not None:
+            tool.worker.close()
+
+
+def test_forget_waits_for_a_call_on_the_environments_worker():
+    """A failed generate forgets its instances while pool threads may be mid-call on the environment's one
+    worker: forget takes the environment's lock, so the call still gets its own answer (issue 54)."""
+    import threading
+
+    (wait,) = load_tools([], "tags", environment("Waiter", timeout_s=10.0))
+    env = wait.environment
+    row, a, b = {"answer": "7"}, env.new_key(), env.new_key()
+    try:
+        assert env.call(b, row, [], "wait", "0")[0].ok  # the worker is up and holds b
+        answers = []
+        caller = threading.Thread(target=lambda: answers.append(env.call(a, row, [], "wait", "0.5")))
+        caller.start()
+        time.sleep(0.2)  # the call is running in the worker
+        env.forget([b])
+        caller.join(15)
+        assert answers == [(("#1 waited 0.5", True, None), "replay")]
+        assert env.call(a, row, [("wait", "0.5")], "wait", "0")[0] == ("#2 waited 0", True, None)  # a kept its state
+    finally:
+        env.close()

@@ -25,7 +25,7 @@ class Rollouts:
     sampling_logprobs: list[list[list[float]]]  # [P][G][T_i] each sampled token's logprob, after the temperature
     texts: list[list[str]]  # [P][G] decoded completions; a tool run's: the model's own words, tool replies left out
     truncated: list[list[bool]]  # [P][G] stopped by max_new_tokens (or a tool run's cap) instead of end-of-sequence
-    # With tools (grpo_cli.tools.trajectories) a completion is a trajectory: the model's tokens and the
+    # With tools (grpo_cli.engines.tools) a completion is a trajectory: the model's tokens and the
     # environment's replies. Empty lists: single-turn, every token is the model's.
     model_mask: list[list[list[int]]] = field(default_factory=list)  # [P][G][T_i] 1 on the model's tokens, 0 on the tools'
     segments: list[list[list[dict]]] = field(default_factory=list)  # [P][G] the turns: {"role": "model"|"tool", "text", ...}
@@ -85,7 +85,7 @@ class Sampling(NamedTuple):
     """How the engine samples: `n` completions per prompt at `temperature` and `top_p`, each at most
     `max_new_tokens` long. Temperature 0 is greedy. `stop`: strings that end a completion (a tool's
     close tag), kept in it; the vLLM engine stops there, the transformers engine's output is cut
-    there by the caller (tools.trajectories.cut_at_stop)."""
+    there by the caller (engines.tools.cut_at_stop)."""
 
     n: int
     temperature: float

@@ -46,7 +46,7 @@ def call_in_process(fn: Any, completions: list, kwargs: dict[str, Any]) -> tuple
     """("ok", values) | ("raised", reason) | ("type", reason): one call, its failure told apart."""
     try:
         out = fn(completions, **kwargs)
-    except Exception as e:
+    except (Exception, SystemExit) as e:  # SystemExit: argparse on a malformed argument, sys.exit() (issue 54)
         return "raised", f"raised {one_line(e, 240)}"
     if isinstance(out, str | bytes | dict) or not hasattr(out, "__iter__"):
         return "type", f"returned {type(out).__name__}, not a list of numbers"

@@ -26,6 +26,7 @@ from __future__ import annotations
 import inspect
 import itertools
 import math
+import threading
 import types
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -33,6 +34,7 @@ from typing import Any, NamedTuple
 from grpo_cli.errors import UsageError, one_line
 from grpo_cli.rewards.load import import_function
 from grpo_cli.rewards.worker import RewardWorker, call_in_process
+from grpo_cli.tools.result import ToolResult
 
 HOOKS = ("reward", "state")  # methods an environment may define that are not tools
 _LIVE: dict[tuple[int, int], Any] = {}  # in the process that runs the environment: trajectory key -> its instance
@@ -62,6 +64,8 @@ class LoadedEnvironment:
     keys: Any = field(default_factory=itertools.count, compare=False, repr=False)  # a fresh key per trajectory
     served: dict = field(default_factory=dict, compare=False, repr=False)  # key -> the worker start that holds it
     uid: int = field(default_factory=lambda: next(_ENVIRONMENT_IDS), compare=False)
+    # one process holds the instances: its requests (calls, ends, forgets) go one at a time, from any thread
+    lock: Any = field(default_factory=threading.Lock, compare=False, repr=False)
 
     def new_key(self) -> tuple[int, int]:
         return self.uid, next(self.keys)
@@ -70,31 +74,35 @@ class LoadedEnvironment:
                  argument: Any) -> tuple[str, Any]:
         columns = row if self.columns is None else {c: row[c] for c in self.columns if c in row}
         request = [(key, self.name, columns, history, method, argument)]
-        if self.worker is None:
-            return call_in_process(serve_request, request, {})
-        alive = self.worker.process is not None and self.worker.process.is_alive()
-        rebuild = bool(history) and not (alive and self.served.get(key) == self.worker.starts)
-        # a worker that lost the instance replays its calls first, each within its own limit
-        result = self.worker.call(request, {}, self.timeout_s * (1 + len(history)) if rebuild else None)
-        self.served[key] = self.worker.starts
-        return result
+        with self.lock:
+            if self.worker is None:
+                return call_in_process(serve_request, request, {})
+            alive = self.worker.process is not None and self.worker.process.is_alive()
+            rebuild = bool(history) and not (alive and self.served.get(key) == self.worker.starts)
+            # a worker that lost the instance replays its calls first, each within its own limit
+            result = self.worker.call(request, {}, self.timeout_s * (1 + len(history)) if rebuild else None)
+            self.served[key] = self.worker.starts
+            return result
 
     def call(self, key: tuple[int, int], row: dict[str, Any], history: list, method: str,
-             argument: Any) -> tuple[str, bool, str]:
-        """One tool call on trajectory `key`'s instance: (result text, ok, "replay" | "lost"). "replay": it ran,
-        so a rebuilt instance must see it again (append it to the history); "lost": the worker was killed (the
-        call overran), and the call is not replayed."""
+             argument: Any) -> tuple[ToolResult, str]:
+        """One tool call on trajectory `key`'s instance: (what the model reads, "replay" | "lost"). "replay": it
+        ran, so a rebuilt instance must see it again (append it to the history); "lost": the worker was killed
+        (the call overran: a "timeout" failure, counted as a tool's), and the call is not replayed."""
         tag, out = self._request(key, row, history, method, argument)
         if tag == "ok":
             value = out[0]
             if not isinstance(value, str):
-                return f"error: the tool returned {type(value).__name__}, not text", False, "replay"
-            return value, True, "replay"
+                return ToolResult(f"error: the tool returned {type(value).__name__}, not text", False), "replay"
+            return ToolResult(value, True), "replay"
         reason = out.removeprefix("raised ")
         lost = self.worker is not None and self.worker.process is None  # killed: its instances are gone
+        failure = "timeout" if tag == "timeout" else None
         if reason.startswith("ToolFailed: "):  # the tool's own account of what stopped it
-            return f"error: {reason.removeprefix('ToolFailed: ')}"[:240], False, "lost" if lost else "replay"
-        return f"error: the tool {reason}"[:240], False, "lost" if lost else "replay"
+            reason = reason.removeprefix("ToolFailed: ")
+        else:
+            reason = f"the tool {reason}"
+        return ToolResult(f"error: {reason}"[:240], False, failure), "lost" if lost else "replay"
 
     def end(self, key: tuple[int, int], row: dict[str, Any], history: list) -> EnvironmentEnd:
         """The finished trajectory's state and reward; its instance is dropped."""
@@ -106,15 +114,17 @@ class LoadedEnvironment:
 
     def forget(self, keys: list[tuple[int, int]]) -> None:
         """Drop instances without ending them (a generate that failed half-way), here and in a live worker."""
-        for key in keys:
-            _LIVE.pop(key, None)
-            self.served.pop(key, None)
-        if self.worker is not None and self.worker.process is not None and self.worker.process.is_alive():
-            self.worker.call([(FORGET, keys)], {})  # a worker that fails to answer is killed, instances and all
+        with self.lock:  # pool threads may be mid-call on the worker's pipe (issue 54)
+            for key in keys:
+                _LIVE.pop(key, None)
+                self.served.pop(key, None)
+            if self.worker is not None and self.worker.process is not None and self.worker.process.is_alive():
+                self.worker.call([(FORGET, keys)], {})  # a worker that fails to answer is killed, instances and all
 
     def close(self) -> None:
-        if self.worker is not None:
-            self.worker.close()
+        with self.lock:
+            if self.worker is not None:
+                self.worker.close()
 
 
 FORGET = "forget"  # serve_request((FORGET, keys)): drop those instances; answers how many this process still holds

@@ -13,7 +13,7 @@ import inspect
 import math
 import sys
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import grpo_cli.tools.sandbox as sandbox
 from grpo_cli.errors import UsageError
@@ -22,6 +22,7 @@ from grpo_cli.rewards.worker import RewardWorker, call_in_process
 from grpo_cli.tools.builtin import BUILTIN_TOOLS, UNSANDBOXED_TOOLS, ToolFn, runs_untrusted_code
 from grpo_cli.tools.chat import tool_schema
 from grpo_cli.tools.environment import load_environment
+from grpo_cli.tools.result import ToolResult
 
 MAX_RESULT_CHARS = 4096  # a result is cut to this many characters before it is tokenized (a tool may print 1 MB)
 
@@ -39,12 +40,6 @@ class LoadedTool:
     # With a worker: those idle now (the pool takes one per call, tools.pool) and the ones started beside it
     idle: list = field(default_factory=list, compare=False, repr=False)
     spares: list = field(default_factory=list, compare=False, repr=False)
-
-
-class ToolResult(NamedTuple):
-    text: str  # what the model reads (a short error text when the call failed)
-    ok: bool  # False: it raised, timed out or returned junk
-    failure: str | None = None  # "timeout": it ran out of time | "budget": the step's tool time was spent (tools.pool)
 
 
 def _load_function(name: str, where: str) -> ToolFn:

@@ -4,7 +4,8 @@ the engine decodes the others, under a tool-time budget per generate call (issue
 The engine loop never runs a tool. `ToolEngine` hands each call to `StepCalls.submit`, which queues it on
 the pool; a thread runs it (a tool with a time limit in a worker process of its own, one per thread, so
 calls of one tool run side by side; an environment's methods one at a time, in the environment's one
-process) and the loop takes the finished calls back between engine steps (`StepCalls.take`), in the order
+process, under its lock). A tool with `timeout_s: null` runs in this process, on any of the pool's threads at
+once: it must be thread-safe and the loop takes the finished calls back between engine steps (`StepCalls.take`), in the order
 they were submitted. A call that answers within `JOIN_WAIT_S` of the engine step that submitted it joins the
 next step, as a synchronous call would: a run whose tools are fast batches exactly as before. A slower one
 leaves the others decoding and joins at the first step after it answers.
@@ -45,7 +46,6 @@ class ToolPool:
         self.threads = [threading.Thread(target=self._serve, daemon=True, name=f"grpo-tool-{i}")
                         for i in range(workers)]
         self.lock = threading.Lock()
-        self.environment_lock = threading.Lock()  # one environment process: its methods run one at a time
         self.started = False
 
     def _serve(self) -> None:
@@ -149,11 +149,10 @@ class StepCalls:
             self._finish(index, CallDone(key, spent, 0.0, "lost" if env_call else ""))
             return
         started, replay = time.monotonic(), ""
+        result = ToolResult("error: the tool failed", False)
         try:
             if env_call is not None:
-                with self.pool.environment_lock:
-                    text, ok, replay = tool.environment.call(*env_call, tool.name, argument)
-                result = ToolResult(text, ok)
+                result, replay = tool.environment.call(*env_call, tool.name, argument)
             elif tool.worker is None:
                 result = call_tool(tool, argument)
             else:
@@ -168,11 +167,11 @@ class StepCalls:
                                             f"({self.budget_s:g} s)", False, "budget")
                 finally:
                     self.pool.checkin(tool, worker)
-        except Exception as e:  # noqa: BLE001 - a thread's failure becomes the call's, never a hang
+        except BaseException as e:  # noqa: BLE001 - a thread's failure becomes the call's, never a hang (issue 54)
             result = ToolResult(f"error: the tool failed: {type(e).__name__}", False)
         finally:
             self._end()
-        self._finish(index, CallDone(key, result, time.monotonic() - started, replay))
+            self._finish(index, CallDone(key, result, time.monotonic() - started, replay))
 
     @property
     def waiting(self) -> int:

@@ -121,11 +121,11 @@ def _run_python(code: str, sandboxed: bool) -> str:
         raise ToolFailed("could not run the code (ValueError: a NUL byte)")
     oom_killed = False
     try:
-        if sandboxed:
+        if sandboxed:  # stdlib only (-S)
             call = sandbox.Limits(PYTHON_WALL_SECONDS, PYTHON_MEMORY_BYTES, PYTHON_PROCESSES)
             finished = sandbox.run([sandbox.interpreter(), "-I", "-S", *program], call, PYTHON_OUTPUT_BYTES)
-            exit_code, oom_killed, output, full = finished.exit_code, finished.oom_killed, finished.output, \
-                finished.output_cut  # stdlib only
+            exit_code, oom_killed = finished.exit_code, finished.oom_killed
+            output, full = finished.output, finished.output_cut
         else:
             exit_code, output, full = _run_bare(program)
     except OSError as e:  # the sandbox could not be made for this call: fail closed

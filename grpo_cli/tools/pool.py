@@ -4,9 +4,9 @@ the engine decodes the others, under a tool-time budget per generate call (issue
 The engine loop never runs a tool. `ToolEngine` hands each call to `StepCalls.submit`, which queues it on
 the pool; a thread runs it (a tool with a time limit in a worker process of its own, one per thread, so
 calls of one tool run side by side; an environment's methods one at a time, in the environment's one
-process, under its lock). A tool with `timeout_s: null` runs in this process, on any of the pool's threads at
-once: it must be thread-safe and the loop takes the finished calls back between engine steps (`StepCalls.take`), in the order
-they were submitted. A call that answers within `JOIN_WAIT_S` of the engine step that submitted it joins the
+process, under its lock; a tool with `timeout_s: null` in this process, on any of the pool's threads at once,
+so it must be thread-safe) and the loop takes the finished calls back between engine steps (`StepCalls.take`),
+in the order they were submitted. A call that answers within `JOIN_WAIT_S` of the engine step that submitted it joins the
 next step, as a synchronous call would: a run whose tools are fast batches exactly as before. A slower one
 leaves the others decoding and joins at the first step after it answers.
 

@@ -22,6 +22,7 @@ The code's own bootstrap (builtin.py) joins a new session keyring and adds rlimi
 Where any part cannot be made (no bwrap, libseccomp, spare uid, user namespaces, or cgroup this user may
 create), `problem()` says why in one line and callers fail closed; nothing falls back to running the code bare.
 """
+
 from __future__ import annotations
 
 import functools
@@ -323,33 +324,27 @@ def supervise(command: list[str], wall_s: float, max_output_bytes: int, env: dic
         os.close(write_end)  # the call's processes hold the only write ends: EOF when they are gone
     deadline = time.monotonic() + wall_s
     chunks: list[bytes] = []
-    size, cut, exit_code, pidfd = 0, False, None, None
+    exit_code, pidfd = None, None
+
+    def over() -> bool:  # more output than the limit: the call ends here
+        return sum(map(len, chunks)) > max_output_bytes
+
     try:
         pidfd = os.pidfd_open(proc.pid)
         waiting = [read_end, pidfd]
-        while waiting and not cut:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
+        while waiting and not over() and (left := deadline - time.monotonic()) > 0:
             ready = select.select(waiting, [], [], left)[0]
             if read_end in ready:
-                chunk = os.read(read_end, 65536)
+                chunks.append(chunk := os.read(read_end, 65536))
                 if not chunk:
                     waiting.remove(read_end)
-                chunks.append(chunk)
-                size += len(chunk)
-                cut = size > max_output_bytes
             if pidfd in ready:
                 exit_code = proc.wait()  # it has exited: no wait here
-                waiting.remove(pidfd)
-                if read_end in waiting:  # what it wrote before it ended; a process it left that holds the pipe
-                    while select.select([read_end], [], [], 0)[0] and (chunk := os.read(read_end, 65536)):
-                        chunks.append(chunk)
-                        size += len(chunk)
-                        if size > max_output_bytes:
-                            cut = True
-                            break
-                    break
+                # what it wrote before it ended, not waiting for a process it left that holds the pipe
+                while read_end in waiting and not over() and select.select([read_end], [], [], 0)[0] and \
+                        (chunk := os.read(read_end, 65536)):
+                    chunks.append(chunk)
+                break
     finally:
         try:
             os.killpg(proc.pid, 9)  # what is left of the session (the sandbox's PID 1 dies with bwrap)
@@ -359,6 +354,7 @@ def supervise(command: list[str], wall_s: float, max_output_bytes: int, env: dic
         os.close(read_end)
         if pidfd is not None:
             os.close(pidfd)
+    cut = over()
     if cut:
         exit_code = proc.returncode
     return exit_code, b"".join(chunks)[:max_output_bytes], cut
@@ -368,8 +364,8 @@ def run(argv: list[str], limits: Limits, max_output_bytes: int) -> Finished:
     """Run `argv` (argv[0] a path that exists inside: /usr/...) in the sandbox, stdin closed; return its exit,
     and its stdout and stderr together up to `max_output_bytes` (a pipe: the code holds no host file). Every
     process it started is killed by then (the sandbox's PID namespace ends with bwrap); its cgroup is emptied
-    and removed just after, off the call's path (`settle`). Raises OSError when the sandbox cannot be made; never runs the code
-    outside one."""
+    and removed just after, off the call's path (`settle`). Raises OSError when the sandbox cannot be made;
+    never runs the code outside one."""
     group = CallGroup(limits)
     try:
         fd = filter_fd()

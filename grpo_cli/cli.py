@@ -66,15 +66,39 @@ COMMANDS: dict[str, Command] = {
 _RUN_NAME = f"{time.strftime('%Y-%m-%d_%H-%M-%S')}_{os.getpid()}-{secrets.token_hex(2)}"
 
 
-def _run_dir(output_dir: str, task: str, resume: str | None) -> str:
+# A job's resume decision, shared by rank 0 with the other ranks: (the directory it continues, or None for a new
+# run,). Unset in one process and on rank 0, which look on their own disk.
+_SHARED_RESUME: tuple[str | None] | None = None
+
+
+def _resumed_dir(output_dir: str, task: str, resume: str | None) -> Path | None:
+    """The run directory this process continues, or None for a new run. Rank 0 (or the one process) decides on
+    its disk; another rank takes rank 0's answer: that directory where its node has it, else the same name under
+    its own output_dir (a split job's generator node, which holds its log there and no checkpoint; issue 54)."""
     if not resume:
-        return f"{output_dir}/{task}/{_RUN_NAME}"
+        return None
+    if _SHARED_RESUME is None:
+        return resume_dir(output_dir, task, resume)
+    (shared,) = _SHARED_RESUME
+    if shared is None:
+        return None
+    return Path(shared) if Path(shared).is_dir() else Path(output_dir) / task / Path(shared).name
 
-    return str(resume_dir(output_dir, task, resume))
+
+def _run_dir(output_dir: str, task: str, resume: str | None) -> str:
+    found = _resumed_dir(output_dir, task, resume)
+    return f"{output_dir}/{task}/{_RUN_NAME}" if found is None else str(found)
 
 
-def _hydra_subdir(resume: str | None) -> str:
-    return f".hydra/resumed_{_RUN_NAME}" if resume else ".hydra"
+def _hydra_subdir(output_dir: str, task: str, resume: str | None) -> str:
+    return ".hydra" if _resumed_dir(output_dir, task, resume) is None else f".hydra/resumed_{_RUN_NAME}"
+
+
+def _decide_resume(config: Any) -> tuple[str | None]:
+    """Rank 0's resume decision, to share with the other ranks."""
+    found = _resumed_dir(config.output_dir, config.task, config.resume) if config is not None else None
+    return (None if found is None else str(found),)
+
 
 log = logging.getLogger("grpo_cli")
 
@@ -205,7 +229,7 @@ def _register(command: str, recipe_required: bool = True, rest: list[str] | None
     if COMMANDS[command].makes_run_dir:
         # A resumed run continues in its own directory; its Hydra files go to a subfolder.
         hydra_settings["run"] = {"dir": "${grpo_run_dir:${output_dir},${task},${resume}}"}
-        hydra_settings["output_subdir"] = "${grpo_hydra_subdir:${resume}}" if rank() == 0 else None
+        hydra_settings["output_subdir"] = "${grpo_hydra_subdir:${output_dir},${task},${resume}}" if rank() == 0 else None
         hydra_settings["sweep"] = {"dir": f"${{output_dir}}/${{task}}/sweep_{_RUN_NAME}", "subdir": "${hydra.job.num}"}
     else:
         # Commands that write no run directory: no log file, no .hydra folder, output in place.
@@ -346,7 +370,8 @@ def _compose_and_validate(command: str, overrides: list[str], config_dir: str | 
         raise UsageError(_config_error_line(e, schema)) from None
     finally:
         GlobalHydra.instance().clear()
-    if getattr(config, "resume", None):
+    deciding = launch.rank() == 0 and getattr(getattr(config, "dist", None), "node_rank", 0) == 0
+    if getattr(config, "resume", None) and deciding:  # other ranks take rank 0's decision (main)
         try:
             resume_dir(config.output_dir, config.task, config.resume)
         except FileNotFoundError as e:
@@ -560,7 +585,7 @@ def main(argv: list[str] | None = None) -> int:
         if command != "train":
             _fail(command, f"WORLD_SIZE={os.environ['WORLD_SIZE']}: 'grpo {command}' runs in one process; "
                   "only 'grpo train' runs over several")
-        global _RUN_NAME
+        global _RUN_NAME, _SHARED_RESUME
         timeout_s = config.dist.timeout_s if config is not None else 600
         if config is not None and config.rollout.placement == "split":  # no default group (dist/channel.py)
             if launch.rank() != 0:  # the generator: its own GPU, chosen before CUDA starts in this process
@@ -568,10 +593,13 @@ def main(argv: list[str] | None = None) -> int:
             launch.die_with_parent()
             line = channel.connect(launch.rank(), timeout_s)
             if launch.rank() == 0:
-                line.send(_RUN_NAME)
+                line.send((_RUN_NAME, _decide_resume(config)))
             else:
-                _RUN_NAME = line.recv()  # one run directory for the whole job
+                _RUN_NAME, _SHARED_RESUME = line.recv()  # one run directory for the whole job
         else:
             launch.join_job(timeout_s)
-            _RUN_NAME = launch.share_from_rank0(_RUN_NAME)  # one run directory for the whole job
+            # one run directory for the whole job
+            _RUN_NAME, shared = launch.share_from_rank0((_RUN_NAME, _decide_resume(config)))
+            if launch.rank() != 0:
+                _SHARED_RESUME = shared
     return _run_hydra(command, rest)

@@ -8,6 +8,7 @@ in the order they come until told to stop.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import time
@@ -24,6 +25,8 @@ from grpo_cli.state import Task
 
 if TYPE_CHECKING:
     import torch
+
+log = logging.getLogger(__name__)
 
 # The engine calls the generator answers by calling its engine's method of the same name, with the same arguments
 FORWARDED = ("generate", "score", "read_weights", "read_adapter", "push_adapter", "load_adapter")
@@ -45,9 +48,12 @@ def serve(cfg: TrainConfig, task: Task) -> int:
         name, args = channel.recv()
         if name == "stop":
             return 0
-        if name == "start":  # the start point's weights (a resume's checkpoint, or the base); the engine never
-            # sleeps, its GPU holds no trainer (engines.options.sleep_wanted), and it is this rank's own (cli.py)
-            engine = with_tools(VLLMEngine(args[0], cfg.model, cfg.rollout, cfg.trainer.seed,
+        if name == "start":  # the base as this node resolved it (preflight); a resume's weights come as a push.
+            # The engine never sleeps, its GPU holds no trainer (engines.options.sleep_wanted), and it is this
+            # rank's own (cli.py)
+            log.info("generator: the engine starts from %s (model.name_or_path=%s on this node)", task.model_path,
+                     cfg.model.name_or_path)
+            engine = with_tools(VLLMEngine(task.model_path, cfg.model, cfg.rollout, cfg.trainer.seed,
                                            cfg.logging.verbose_libraries), task.tools, cfg.rollout)
             channel.send(engine.adapters)
         elif name == "push_weights":

@@ -81,14 +81,12 @@ def newest_run(output_dir: str, task: str) -> Path | None:
     return max(runs, key=lambda d: step_checkpoints(d)[-1].stat().st_mtime, default=None)
 
 
-def resume_dir(output_dir: str, task: str, resume: str) -> Path:
-    """`resume=auto` -> the newest resumable run of the task; `resume=DIR` -> DIR, checked."""
+def resume_dir(output_dir: str, task: str, resume: str) -> Path | None:
+    """`resume=auto` -> the newest resumable run of the task, or None where there is none: the run starts new,
+    so a requeued job can carry resume=auto from its first attempt (issue 54); `resume=DIR` -> DIR, checked."""
     if resume == "auto":
         found = newest_run(output_dir, task)
-        if found is None:
-            raise FileNotFoundError(f"resume=auto: no run of '{task}' under {Path(output_dir) / task} has a "
-                                    "complete checkpoint to resume from")
-        return found.resolve()
+        return None if found is None else found.resolve()
     path = Path(resume)
     if not path.is_dir():
         raise FileNotFoundError(f"resume={resume}: not a directory")

@@ -171,9 +171,10 @@ def setup_torch(cfg: TrainerConfig) -> None:
 
 def resume_or_start(cfg: TrainConfig, run_dir: Path, model_path: str) -> Start:
     """The start point; a resume reads its checkpoint (the CLI resolved resume=DIR|auto to run_dir)."""
-    if not cfg.resume:
+    found = step_checkpoints(run_dir) if cfg.resume else []
+    if not found:  # a new run; resume=auto lands here where the task had no run to continue (cli._resumed_dir)
         return Start(0, model_path, None, cfg.trainer.steps)
-    path = str(step_checkpoints(run_dir)[-1])
+    path = str(found[-1])
     if damage := damaged_weights(path):
         raise UsageError(f"resume: {damage}")
     info = read_info(Path(path))  # a complete checkpoint's: list_checkpoints read it already
@@ -243,7 +244,7 @@ def build_engine(cfg: TrainConfig, task: Task, weights: str, policy: torch.nn.Mo
     the generator rank's, reached over the channel (its tools run there: generator.py)."""
     if cfg.rollout.placement == "split":  # the generator starts from the base, which its node has as this one does;
         # a resume's weights are in a checkpoint on this node's disk, so they go over the channel (docs/async.md)
-        remote = RemoteEngine(current(), task.tokenizer, task.model_path)
+        remote = RemoteEngine(current(), task.tokenizer)
         if weights != task.model_path:
             remote.push_weights(checkpoint_weights(weights).items())
         return remote

@@ -67,6 +67,9 @@ def run(cfg: TrainConfig, run_dir: Path, engine: Engine | None = None) -> int:
     try:
         out.header(task.model_path, state)
         if state.start.step == 0:
+            if cfg.resume:  # resume=auto with no run to continue: a requeued job's first attempt starts here
+                out.console.info(f"resume=auto: no run of {cfg.task} under {Path(cfg.output_dir) / cfg.task} has a "
+                                 "resumable checkpoint yet; starting a new run")
             out.record({"step": 0, **heldout_eval(state, cfg, 0)})
         else:
             out.resumed(state.start)

@@ -479,7 +479,7 @@ def test_the_cli_binds_the_generator_s_gpu_before_it_opens_the_channel(monkeypat
             pass
 
         def recv(self):
-            return "run-name"
+            return "run-name", (None,)  # the run directory's name, and rank 0's resume decision (a new run)
 
     def connect(rank, timeout_s):
         seen.append((rank, os.environ.get("CUDA_VISIBLE_DEVICES")))
@@ -491,6 +491,7 @@ def test_the_cli_binds_the_generator_s_gpu_before_it_opens_the_channel(monkeypat
     monkeypatch.setattr(launch, "die_with_parent", lambda: None)
     monkeypatch.setattr(cli, "_run_hydra", lambda command, rest: 0)
     monkeypatch.setattr(cli, "_RUN_NAME", cli._RUN_NAME)
+    monkeypatch.setattr(cli, "_SHARED_RESUME", None)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     args = ["train", "recipe=bike_pricing", "rollout.placement=split", "dist.nproc_per_node=2"]
     for rank in ("0", "1"):

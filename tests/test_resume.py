@@ -137,21 +137,28 @@ TOOLS = ("rollout.tools=[{function:test_rewards_mod:echo,open:' ',close:e,timeou
          "rollout.tool_result_tags=['[',']']", "rollout.max_turns=3", "rollout.max_trajectory_tokens=40")
 
 
-def kill_at_step_2(workdir: Path, out: str, *extra: str) -> Path:
-    """`python -m grpo_cli train ...` SIGKILLed once its step-2 checkpoint is complete; its run directory. Its
-    reward sleeps 0.2 s a call (the numbers are the same): a tiny-model step takes tens of milliseconds, and
-    steps 3, 4 and the final save once finished inside the 0.1 s poll, before the kill."""
+def kill_when(workdir: Path, out: str, ready: str, *extra: str) -> tuple[Path, str]:
+    """`python -m grpo_cli train ...` SIGKILLed once a file matching `ready` (under its output_dir) exists: the
+    file, and what the run printed. Its reward sleeps 0.2 s a call (the numbers are the same): a tiny-model step
+    takes tens of milliseconds, and steps 3, 4 and the final save once finished inside the 0.1 s poll, before
+    the kill."""
     proc = subprocess.Popen([sys.executable, "-m", "grpo_cli", *args(workdir, out, *extra)], cwd=workdir,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                             env={**os.environ, "SLOW_REWARD_S": "0.2"})
     deadline, marker = time.time() + 600, None
     while time.time() < deadline and proc.poll() is None and marker is None:
-        marker = next(iter((workdir / out).glob("bike_pricing/*/checkpoints/step_000002/checkpoint.json")), None)
+        marker = next(iter((workdir / out).glob(ready)), None)
         time.sleep(0.1)
-    assert marker is not None, "no checkpoint at step 2 appeared"
+    assert marker is not None, f"no {ready} appeared"
     proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    printed, _ = proc.communicate()
     assert proc.returncode == -signal.SIGKILL
+    return marker, printed
+
+
+def kill_at_step_2(workdir: Path, out: str, *extra: str) -> Path:
+    """A run SIGKILLed once its step-2 checkpoint is complete, before its end: its run directory."""
+    marker, _ = kill_when(workdir, out, "bike_pricing/*/checkpoints/step_000002/checkpoint.json", *extra)
     assert not (marker.parents[1] / "final").exists()
     return marker.parents[2]
 
@@ -168,9 +175,15 @@ def test_resume_after_sigkill_gives_the_same_weights(in_workdir, capsys, menu):
     straight_dir, killed = f"straight_{len(menu)}", f"killed_{len(menu)}"
     code, _, err = run(capsys, workdir, straight_dir, "trainer.steps=4", *menu)
     assert code == 0, err[-2000:]
-    run_dir = kill_at_step_2(workdir, killed, "trainer.steps=4", "checkpoint.every=2", *menu)
-    code, _, err = run(capsys, workdir, killed, "trainer.steps=4", "checkpoint.every=2", "resume=auto", *menu)
+    command = ("trainer.steps=4", "checkpoint.every=2", "resume=auto", *menu)  # a requeued job's one command
+    if not menu:  # its first attempt, killed before its first checkpoint, leaves nothing to resume (issue 54)
+        (first, printed) = kill_when(workdir, killed, "bike_pricing/*/metrics.jsonl", *command)
+        assert "resume=auto: no run of bike_pricing under" in printed and "starting a new run" in printed
+        assert not (first.parent / "checkpoints").exists()
+    run_dir = kill_at_step_2(workdir, killed, *command)
+    code, out, err = run(capsys, workdir, killed, *command)
     assert code == 0, err[-2000:]
+    assert f"resumed from {run_dir}" in out
     weights = "adapter_model.safetensors" if menu == LORA else "model.safetensors"  # LoRA: the adapters alone
     a = load_file(only_run_dir(workdir, straight_dir) / "checkpoints" / "final" / weights)
     b = load_file(run_dir / "checkpoints" / "final" / weights)
@@ -252,6 +265,7 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
         (["model.max_context_tokens=40"], "exceeds the model's context of 40 tokens", 2),
         (["model.name_or_path=/nonexistent/ckpt"], "model.name_or_path: model '/nonexistent/ckpt' does not exist", 2),
         (["rewards=[{name:test_rewards_mod:nope}]"], "nope", 2),
+        (["resume=/nonexistent/run"], "resume=/nonexistent/run: not a directory", 2),  # only auto may start anew
         # failures during the run: exit 1
         (["rewards=[{name:test_rewards_mod:boom}]"], "failed on 8 of 8 samples at step 1", 1),
         (["rewards=[{name:test_rewards_mod:too_few}]"], "returned 1 values for 4 completions", 1),

@@ -81,22 +81,52 @@ def test_a_split_job_trains_as_one_process_with_the_same_schedule(tmp_path, spli
     assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
 
 
-def test_a_split_job_over_two_simulated_nodes_is_the_one_node_job(tmp_path, split_run):
+def test_a_split_job_over_two_simulated_nodes_with_a_run_root_each_resumes_to_the_one_node_job(tmp_path, split_run):
     """Two launchers on this machine (dist.nnodes=2, one process each: node 0's rank trains, node 1's generates,
-    the generator starting from the base as a node without the trainer's files would): the one-node job's bits."""
+    the generator starting from the base as a node without the trainer's files would), each with its own
+    output_dir as two machines would have, and node 1 running grpo_cli installed elsewhere (its builtin:bike_base
+    is its own copy's): node 0's rank SIGKILLed after the step-2 checkpoint, then the same command plus
+    resume=auto on both nodes (node 1's disk holds no checkpoint; rank 0 decides, issue 54) ends with the
+    one-node job's bits."""
+    import shutil
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = tmp_path / "nodes"
-    nodes = [subprocess.Popen([sys.executable, "-m", "grpo_cli", "train", *SPLIT, f"output_dir={out}",
-                               "rollout.placement=split", "dist.nnodes=2", f"dist.node_rank={r}",
-                               f"dist.rdzv_endpoint=127.0.0.1:{port}"], cwd=REPO, env=ONE_THREAD,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    elsewhere = tmp_path / "elsewhere"  # node 1's install: `python -m grpo_cli` imports the package in its cwd
+    for part in ("grpo_cli", "recipes"):
+        shutil.copytree(REPO / part, elsewhere / part, ignore=shutil.ignore_patterns("__pycache__"))
+
+    def start_nodes(*extra: str) -> list[subprocess.Popen]:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        return [subprocess.Popen([sys.executable, "-m", "grpo_cli", "train", *SPLIT, f"output_dir={tmp_path / f'node{r}'}",
+                                  "rollout.placement=split", "dist.nnodes=2", f"dist.node_rank={r}",
+                                  f"dist.rdzv_endpoint=127.0.0.1:{port}", "checkpoint.every=2", *extra],
+                                 cwd=REPO if r == 0 else elsewhere,
+                                 env=ONE_THREAD, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                for r in (0, 1)]
+
+    nodes = start_nodes()
+    deadline, marker = time.time() + 600, None
+    while time.time() < deadline and nodes[0].poll() is None and marker is None:
+        marker = next(iter((tmp_path / "node0").glob("bike_pricing/*/checkpoints/step_000002/checkpoint.json")), None)
+        time.sleep(0.05)
+    assert marker is not None, "no checkpoint at step 2 appeared"
+    pid = rank_pid(str(tmp_path / "node0"), 0)
+    assert pid is not None, "no trainer rank found"
+    os.kill(pid, signal.SIGKILL)
+    outputs = [node.communicate(timeout=300) for node in nodes]
+    assert nodes[0].returncode == 1 and nodes[1].returncode != 0, [err[-2000:] for _, err in outputs]
+    run_dir = marker.parents[2]
+    assert not (run_dir / "checkpoints" / "final").exists()
+    assert not list((tmp_path / "node1").glob("bike_pricing/*/checkpoints"))  # the generator's node saves none
+
+    nodes = start_nodes("resume=auto")
     outputs = [node.communicate(timeout=600) for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], [err[-2000:] for _, err in outputs]
-    (run_dir,) = (out / "bike_pricing").iterdir()
+    assert f"resumed from {run_dir}" in outputs[0][0] and "at step 2" in outputs[0][0]
+    generator_log = (tmp_path / "node1" / "bike_pricing" / run_dir.name / "train-rank1.log").read_text()
+    assert f"the engine starts from {elsewhere / 'grpo_cli' / 'models' / 'bike_base'} " in generator_log
     assert logged(run_dir) == logged(split_run)
     a, b = final(run_dir), final(split_run)
     assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)

@@ -27,9 +27,11 @@ class RemoteEngine(LeafEngine):
 
     in_process = False  # the generator samples in its own process, beside this one's update
 
-    def __init__(self, channel: Channel, tokenizer: Any, model_path: str) -> None:
+    def __init__(self, channel: Channel, tokenizer: Any) -> None:
         self.channel, self.tokenizer = channel, tokenizer
-        self.adapters = self._call("start", model_path)  # the generator starts its engine; how it takes LoRA
+        # the generator starts its engine from the base as its own node resolves model.name_or_path (builtin:NAME
+        # lives where that node installed grpo_cli, issue 54); the answer says how it takes LoRA
+        self.adapters = self._call("start")
 
     def _call(self, name: str, *args: Any) -> Any:
         self.channel.send((name, args))

@@ -182,7 +182,8 @@ class RolloutConfig:
         _require(self.tensor_parallel_size >= 1, "rollout.tensor_parallel_size", "must be >= 1")
         _require(self.tensor_parallel_size == 1 or self.engine == "vllm", "rollout.tensor_parallel_size",
                  "splits a vLLM engine; rollout.engine=hf runs one per rank (set it to 1)")
-        _require(self.max_sampling_rounds >= 1, "rollout.max_sampling_rounds", "must be >= 1")
+        _require(1 <= self.max_sampling_rounds <= 63, "rollout.max_sampling_rounds",
+                 "must be in 1..63 (each round samples from seeds of its own)")
         _require(self.max_staleness >= 0, "rollout.max_staleness", "must be >= 0 (0 = on-policy)")
         _require(self.placement in ("colocated", "split"), "rollout.placement",
                  f"'{self.placement}' is not one of colocated, split")

@@ -14,6 +14,15 @@ from grpo_cli.config import TrainConfig
 from grpo_cli.engines.base import Rollouts, Sampling
 from grpo_cli.state import RunState
 
+# Where a step's sampling seeds lie. Training (stream 0) keeps the layout the shipped curves were sampled with:
+# below 2**31, step s's block TRAIN_STRIDE * s (widened to whole strides for a step of more samples) after the
+# run's start, so steps share no seed for the first 2**31 / stride steps. Every other stream (held-out evaluation,
+# dynamic-sampling rounds) has slots of its own above 2**31, one per (run seed, step, stream): a stream offset
+# once made evaluation reuse training's seeds past 7,919 samples a step (issue 54).
+TRAIN_STRIDE = 104_729  # a prime
+SLOT_BITS, STREAM_BITS, STEP_BITS, RUN_BITS = 24, 6, 19, 13  # 2**62 seeds above 2**31: within torch's 64-bit seeds
+MAX_STREAM = 2**STREAM_BITS  # streams 1..64 have slots: evaluation and 63 dynamic-sampling rounds
+
 
 def sample_seeds(run_seed: int, step: int, num_prompts: int, stream: int = 0, group_size: int = 1) -> list[int]:
     """One sampling seed per prompt, a pure function of (run seed, step, prompt, stream).
@@ -25,7 +34,15 @@ def sample_seeds(run_seed: int, step: int, num_prompts: int, stream: int = 0, gr
     sample g of prompt i and sample g-1 of prompt i+1 one stream).
     """
     span = num_prompts * group_size  # the seeds the step's samples use: base .. base + span - 1
-    base = (run_seed * 1_000_003 + stream * 7_919 + step * 104_729) % (2**31 - span - 1)
+    if stream == 0:
+        stride = TRAIN_STRIDE * max(1, -(-span // TRAIN_STRIDE))  # whole strides: steps never overlap
+        base = (run_seed * 1_000_003 + step * stride) % (2**31 - span - 1)
+    else:
+        if not 1 <= stream <= MAX_STREAM or span > 2**SLOT_BITS:
+            raise ValueError(f"sample_seeds: stream {stream} (1..{MAX_STREAM}) of {span} samples (at most "
+                             f"{2**SLOT_BITS}) has no slot")
+        slot = ((run_seed % 2**RUN_BITS) << STEP_BITS | step % 2**STEP_BITS) << STREAM_BITS | (stream - 1)
+        base = 2**31 + (slot << SLOT_BITS)
     return [base + i * group_size for i in range(num_prompts)]
 
 

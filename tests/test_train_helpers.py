@@ -97,20 +97,29 @@ def sample_streams(seeds: list[int], group_size: int) -> list[int]:
     return [seed + g for seed in seeds for g in range(group_size)]
 
 
-@pytest.mark.parametrize(("num_prompts", "group_size"), [(8, 8), (3, 16), (200, 1), (64, 4)])
+@pytest.mark.parametrize(("num_prompts", "group_size"), [(8, 8), (3, 16), (200, 1), (64, 4), (64, 128), (1024, 128)])
 def test_no_two_samples_of_a_step_share_a_random_stream(num_prompts, group_size):
     """Sample g of prompt p and sample g-1 of prompt p+1 once drew from one stream (seeds base + p). Now every
     sample of a step, the dynamic-sampling rounds' (streams 2, 3) and the held-out set's (stream 1) included,
-    has a seed of its own, for any run seed and step; a rank's slice of the seeds is the same slice at any
-    world size, since the seeds are drawn for the whole step."""
+    has a seed of its own, for any run seed and step and at any batch size (8,192 samples a step once gave the
+    held-out set training's seeds; 131,072 made neighbouring steps share them); a rank's slice of the seeds is
+    the same slice at any world size, since the seeds are drawn for the whole step."""
     from grpo_cli.rollout import sample_seeds
 
     for run_seed in (0, 1, 12345):
+        steps = {}
         for step in (0, 1, 2, 259, 20_000):
-            streams = [s for stream in (0, 2, 3) for s in
-                       sample_streams(sample_seeds(run_seed, step, num_prompts, stream, group_size), group_size)]
+            steps[step] = sample_streams(sample_seeds(run_seed, step, num_prompts, 0, group_size), group_size)
+            streams = steps[step] + [s for stream in (2, 3, 64) for s in
+                                     sample_streams(sample_seeds(run_seed, step, num_prompts, stream, group_size),
+                                                    group_size)]
             assert len(set(streams)) == len(streams), (run_seed, step)
             heldout = sample_streams(sample_seeds(run_seed, step, 200, stream=1, group_size=4), 4)
             assert not set(heldout) & set(streams) and len(set(heldout)) == len(heldout)
-            assert all(0 <= s < 2**31 for s in streams + heldout)
+            assert all(0 <= s < 2**31 for s in steps[step]) and all(2**31 <= s < 2**63 for s in streams[len(steps[step]):] + heldout)
+        training = [s for seeds in steps.values() for s in seeds]
+        assert len(set(training)) == len(training)  # steps share no seed
+        assert steps[1][0] - steps[0][0] == 104_729 * max(1, -(-num_prompts * group_size // 104_729))
     assert sample_seeds(0, 7, 8, group_size=8) == sample_seeds(0, 7, 8, group_size=8)  # a pure function
+    with pytest.raises(ValueError, match="no slot"):
+        sample_seeds(0, 1, 8, stream=65)

@@ -16,14 +16,16 @@ seconds per step and per phase (medians), the model's tokens per step, seconds o
 The figure the tools design aims at (docs/tools.md): the tool step's generation time per model
 token at most 1.25x the single-turn step's. No assertion on timings: a measuring tool, not a test.
 
---concurrency runs `grpo train recipe=bike_pricing_tools` five times: with its calculator as shipped
+--concurrency runs `grpo train recipe=bike_pricing_tools` six times: with its calculator as shipped
 (in process), in worker processes, and in worker processes that live in the sandbox (`sandbox: bwrap`,
-docs/sandbox.md); with `sleepy_calculator` below, which sleeps 2 s first on one call in ten (the argument's
-CRC-32 decides, so the same calls sleep in every run) in its workers; and with `always_late`, which
-sleeps past its 1 s limit on every call, under a 5 s tool budget per step. It prints seconds per step
-(median over steps 2..STEPS) and the logged tool time, timeouts, budget cuts and cut trajectories.
-The targets (docs/tools.md): the sandboxed calculator's step at most 1.3x the in-process one; the sleepy
-step at most 2 s + 1.3x the plain step; the hanging tool's step within the budget plus the plain step.
+docs/sandbox.md); with `drowsy_calculator` and `sleepy_calculator` below, which sleep 0.5 s on one call in
+five and 2 s on one call in ten (the argument's CRC-32 decides, so the same calls sleep in every run) in
+their workers; and with `always_late`, which sleeps past its 1 s limit on every call, under a 5 s tool budget
+per step. It prints seconds per step (median over steps 2..STEPS) and the logged tool time, the engine's
+stops for late replies, timeouts, budget cuts and cut trajectories. The targets (docs/tools.md): the
+sandboxed calculator's step at most 1.3x the in-process one; the drowsy run's generate at most the plain
+run's + 1.1 s; the sleepy step at most 2 s + 1.3x the plain step; the hanging tool's step within the
+budget plus the plain step.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ CONCURRENCY = {
     "calculator": [CALC.format("calculator", "null", "")],
     "calc in workers": [CALC.format("calculator", 10, "")],
     "calc sandboxed": [CALC.format("calculator", 10, ",sandbox:bwrap")],
+    "drowsy 1 in 5": [CALC.format("bench_tools:drowsy_calculator", 10, "")],
     "sleepy 1 in 10": [CALC.format("bench_tools:sleepy_calculator", 10, "")],
     "always late": [CALC.format("bench_tools:always_late", 1, ""), "rollout.tool_budget_s=5"],
 }
@@ -61,6 +64,15 @@ def sleepy_calculator(expression: str) -> str:
 
     if zlib.crc32(expression.encode()) % 10 == 0:
         time.sleep(2.0)
+    return calculator(expression)
+
+
+def drowsy_calculator(expression: str) -> str:
+    """The calculator, 0.5 s late on the fifth of its arguments whose CRC-32 is 0 mod 5."""
+    from grpo_cli.tools.builtin import calculator
+
+    if zlib.crc32(expression.encode()) % 5 == 0:
+        time.sleep(0.5)
     return calculator(expression)
 
 
@@ -92,7 +104,7 @@ def concurrency(steps: int, only: str | None = None, overrides: list[str] = ()) 
         with tempfile.TemporaryDirectory() as tmp:
             rows = timed_rows(name, steps, Path(tmp), [*extra, *overrides], recipe="bike_pricing_tools")
         mean = {k: statistics.mean(r.get(k, 0.0) for r in rows) for k in
-                ("time/tools", "time/tool_wait_max", "tools/calls_per_sample", "tools/timeouts_per_sample", "tools/budget_cuts_per_sample",
+                ("time/tools", "time/tool_late", "time/tool_wait_max", "tools/calls_per_sample", "tools/timeouts_per_sample", "tools/budget_cuts_per_sample",
                  "tools/capped/tool_timeouts", "reward/mean")}
         results.append({"run": name, "s_per_step": statistics.median(r["time/step"] for r in rows),
                         # the step less the longest any one trajectory waited on its own calls: what overlap can save
@@ -102,7 +114,8 @@ def concurrency(steps: int, only: str | None = None, overrides: list[str] = ()) 
                         "max_s_per_step": max(r["time/step"] for r in rows), **mean})
         r = results[-1]
         print(f"{name:15s} {r['s_per_step']:.2f} s/step (max {r['max_s_per_step']:.2f}, generate {r['generate_s']:.2f})"
-              f" | tool time {r['time/tools']:.2f} s, longest wait of one trajectory {r['time/tool_wait_max']:.2f} s, "
+              f" | tool time {r['time/tools']:.2f} s, engine stopped for late replies {r['time/tool_late']:.2f} s, "
+              f"longest wait of one trajectory {r['time/tool_wait_max']:.2f} s, "
               f"step less it {r['s_per_step_less_wait']:.2f} s | calls {r['tools/calls_per_sample']:.2f}/sample, timeouts "
               f"{r['tools/timeouts_per_sample']:.2f}, budget cuts {r['tools/budget_cuts_per_sample']:.2f}, cut "
               f"trajectories {r['tools/capped/tool_timeouts']:.2f} | reward {r['reward/mean']:.3f}", flush=True)
@@ -111,7 +124,9 @@ def concurrency(steps: int, only: str | None = None, overrides: list[str] = ()) 
     plain = results[0]["s_per_step"]
     print(f"calculator in sandboxed workers: {results[2]['s_per_step'] / plain:.2f}x the in-process step (target "
           f"1.3x); in plain workers {results[1]['s_per_step'] / plain:.2f}x")
-    sleepy, late = results[3], results[4]
+    drowsy, sleepy, late = results[3], results[4], results[5]
+    print(f"drowsy: generate {drowsy['generate_s']:.2f} s against the target {results[0]['generate_s']:.2f} + 1.1 = "
+          f"{results[0]['generate_s'] + 1.1:.2f} s (the in-process calculator's generate + 1.1 s)")
     print(f"sleepy: {sleepy['s_per_step']:.2f} s/step against the target 2 + 1.3 x {plain:.2f} = "
           f"{2 + 1.3 * plain:.2f} s (a trajectory whose calls sleep twice waits 4 s itself: less its own wait, "
           f"{sleepy['s_per_step_less_wait']:.2f} s against 1.3 x {plain:.2f} = {1.3 * plain:.2f}); always late: "

@@ -7,6 +7,7 @@ The hostile tools below run in real spawned worker processes (imported there by 
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -20,8 +21,9 @@ from grpo_cli.engines.base import Completion, Rollouts, Sampling
 from grpo_cli.engines.tools import ToolCaps, ToolEngine, cut_at_stop, with_tools
 from grpo_cli.errors import UsageError
 from grpo_cli.tools import TagFormat, ToolFailed, calculator, load_tools
-from grpo_cli.tools.load import MAX_RESULT_CHARS, call_tool, close_tools
+from grpo_cli.tools.load import call_tool, close_tools
 from grpo_cli.tools.metrics import tool_metrics
+from grpo_cli.tools.result import MAX_RESULT_CHARS
 
 
 def sleeps(argument):
@@ -476,8 +478,8 @@ class ScriptedEngine:
                 done = Completion(out.completion_ids[0][0], out.sampling_logprobs[0][0], out.truncated[0][0])
                 if (nxt := on_finish(r.key, done)) is not None:
                     follow.append(nxt)
-            if replies is not None:
-                follow += replies.take(block=not follow)
+            if replies is not None and replies.waiting():
+                follow += replies.take(range(len(follow)))  # this round's requests (ids unique within a round)
             requests = follow
 
 
@@ -943,23 +945,6 @@ def test_a_cut_chat_result_is_plain_text_between_the_templates_own_tokens():
 # ------------------------------------------------------------------ tool calls off the decoding loop
 
 
-def waits_for_the_mark(argument):  # returns once `marks` has been called 3 times (its file exists), or gives up
-    mark = Path(os.environ["GRPO_TEST_MARK"])
-    deadline = time.monotonic() + 20
-    while not mark.exists() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return "released" if mark.exists() else "never released"
-
-
-def marks(argument):  # in process: the third call writes the file `waits_for_the_mark` waits for
-    mark = Path(os.environ["GRPO_TEST_MARK"])
-    count = int(mark.with_suffix(".count").read_text()) + 1 if mark.with_suffix(".count").exists() else 1
-    mark.with_suffix(".count").write_text(str(count))
-    if count == 3:
-        mark.write_text("go")
-    return str(count)
-
-
 def sleepy_calculator(expression):  # the calculator, 1 s late on a fixed half of its arguments
     import zlib
 
@@ -979,42 +964,90 @@ class ScriptedGroup(ScriptedEngine):
         raise AssertionError("the tool loop samples through generate_each")
 
     def generate_each(self, requests, on_finish, replies=None):
+        """Round by round, as the transformers engine runs them; `rounds` records which samples each round held."""
+        self.rounds, numbers = [], itertools.count()
+        requests = [(next(numbers), r) for r in requests]
         while requests or (replies is not None and replies.waiting()):
+            self.rounds.append([r.key[1] for _, r in requests])
             follow = []
-            for r in requests:
+            for _, r in requests:
                 g = r.key[1]
                 text = self.scripts[g][self.counts[g]]
                 self.counts[g] += 1
                 ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
                 if (nxt := on_finish(r.key, Completion(ids, [-1.0] * len(ids), False))) is not None:
-                    follow.append(nxt)
-            if replies is not None:
-                follow += replies.take(block=not follow)
+                    follow.append((next(numbers), nxt))
+            if replies is not None and replies.waiting():
+                follow += [(next(numbers), r) for r in replies.take([number for number, _ in follow])]
             requests = follow
 
 
-def run_group(tokenizer, scripts, specs, caps):
+def run_group(tokenizer, scripts, specs, caps, rounds=None):
     tools = load_tools(specs)
     fmt = TagFormat(tuple((t.name, t.open, t.close) for t in tools))
-    engine = ToolEngine(ScriptedGroup(tokenizer, scripts), tools, fmt, caps)
-    return engine.generate([tokenizer("Q:", add_special_tokens=False)["input_ids"]],
-                           Sampling(len(scripts), 1.0, 1.0, 48), [7])
+    inner = ScriptedGroup(tokenizer, scripts)
+    engine = ToolEngine(inner, tools, fmt, caps)
+    out = engine.generate([tokenizer("Q:", add_special_tokens=False)["input_ids"]],
+                          Sampling(len(scripts), 1.0, 1.0, 48), [7])
+    if rounds is not None:
+        rounds.extend(inner.rounds)
+    return out
 
 
-def test_the_others_go_on_while_a_call_runs(tokenizer, tmp_path, monkeypatch):
-    """Sample 0's call returns only after sample 1 has called three times: run inside the loop, as before issue
-    36, it would hold every other sample until its own 20 s ran out."""
-    monkeypatch.setenv("GRPO_TEST_MARK", str(tmp_path / "mark"))
-    started = time.monotonic()
-    out = run_group(tokenizer, [["<wait>now</wait>", "\nAnswer: 1"],
-                                ["<mark>a</mark>", "<mark>b</mark>", "<mark>c</mark>", "\nAnswer: 2"]],
-                    [ToolSpec(function="test_tools:waits_for_the_mark", open="<wait>", close="</wait>", timeout_s=30),
-                     ToolSpec(function="test_tools:marks", open="<mark>", close="</mark>", timeout_s=None)],
-                    CAPS._replace(max_turns=5, max_tool_calls=4))
-    waited, marked = out.tool_calls()
-    assert waited == [{"tool": "test_tools:waits_for_the_mark", "argument": "now", "result": "released", "ok": True}]
-    assert [c["result"] for c in marked] == ["1", "2", "3"]
-    assert out.capped == [[None, None]] and time.monotonic() - started < 20
+def naps(argument):  # in process: sleeps GRPO_TEST_NAP seconds on the calls whose argument starts with "slow"
+    if argument.startswith("slow"):
+        time.sleep(float(os.environ.get("GRPO_TEST_NAP", "0")))
+    return argument[::-1]
+
+
+NAPPING = [["<nap>slow-a</nap>", "<nap>b</nap>", "\nAnswer: 1"],
+           ["<nap>c</nap>", "more</nap>", "<nap>slow-d</nap>", "\nAnswer: 2"],  # a close tag alone: the turn goes on
+           ["\nAnswer: 3"],
+           ["<nap>e</nap>", "<nap>f</nap>", "<nap>slow-g</nap>", "\nAnswer: 4"]]
+
+
+def test_when_a_reply_rejoins_is_fixed_by_the_engine_steps_not_by_the_clock(tokenizer, monkeypatch):
+    """Four samples, some calls instant and some 0.4 s (in process, on the pool's threads): the rounds (which
+    samples the engine steps together) and the trajectories are the same with the slow calls instant, so a run
+    with tools is a pure function of its seed however long its calls take (issue 54); the slow calls overlap."""
+    spec = [ToolSpec(function="test_tools:naps", open="<nap>", close="</nap>", timeout_s=None)]
+    caps = CAPS._replace(max_turns=5, max_tool_calls=4)
+    seen = {}
+    for nap in ("0", "0.4"):
+        monkeypatch.setenv("GRPO_TEST_NAP", nap)
+        rounds, started = [], time.monotonic()
+        out = run_group(tokenizer, NAPPING, spec, caps, rounds)
+        seen[nap] = rounds, out.completion_ids, out.segments, time.monotonic() - started
+    (rounds, ids, segments, _), (slow_rounds, slow_ids, slow_segments, slow_s) = seen["0"], seen["0.4"]
+    assert slow_rounds == rounds and slow_ids == ids
+    assert [[[{k: v for k, v in turn.items() if k != "seconds"} for turn in t] for t in group] for group in segments] \
+        == [[[{k: v for k, v in turn.items() if k != "seconds"} for turn in t] for t in group] for group in slow_segments]
+    assert rounds == [[0, 1, 2, 3], [0, 1, 3], [0, 1, 3], [1, 3]]  # each round finishes every request it holds
+    assert slow_s < 3 * 0.4  # slow-d and slow-g ran side by side
+
+
+def test_a_call_rejoins_once_the_requests_it_left_have_finished_and_a_late_one_is_waited_for():
+    """The rejoin rule itself (tools.pool.StepCalls.take): a call made at an engine step waits out the requests
+    the engine held after that step, however early it returns; one late at its point stops the engine until it
+    comes (late_s, logged as time/tool_late); calls with no tool to run rejoin at the next step."""
+    from grpo_cli.tools.pool import StepCalls, ToolPool
+
+    (tool,) = load_tools([ToolSpec(function="test_tools:naps", timeout_s=None)])
+    calls = StepCalls(ToolPool(4), None)
+    calls.submit("fast", tool, "x")  # during a step after which the engine holds requests a and b
+    calls.resume("goes on")
+    assert [d.key for d in calls.take({"a", "b"})] == ["goes on"]
+    time.sleep(0.1)  # "fast" is done, but b still decodes
+    assert calls.take({"b", "c"}) == [] and calls.waiting == 1
+    os.environ["GRPO_TEST_NAP"] = "0.5"
+    try:
+        calls.submit("slow", tool, "slow")  # its wave: c
+        assert [d.key for d in calls.take({"c"})] == ["fast"] and calls.late_s == 0.0
+        taken = calls.take(set())  # c finished: "slow" is due, and late
+    finally:
+        del os.environ["GRPO_TEST_NAP"]
+    assert [(d.key, d.result.text) for d in taken] == [("slow", "wols")] and 0.2 < calls.late_s < 5
+    assert calls.waiting == 0
 
 
 def test_a_trajectory_whose_calls_keep_timing_out_is_cut(tokenizer):
@@ -1038,11 +1071,9 @@ def test_the_step_tool_budget_cuts_running_calls_and_fails_the_rest_at_once():
     calls, started = StepCalls(ToolPool(2), budget_s=2.0), time.monotonic()
     for key in range(3):
         calls.submit(key, slow, "x")
-    done = []
-    while calls.waiting:
-        done += calls.take(block=True)
+    done = calls.take(())  # nothing else runs: every call out rejoins, waited for
     calls.submit(9, slow, "after")
-    done += calls.take(block=True)
+    done += calls.take(())
     assert time.monotonic() - started < 20  # the budget (plus the workers' start), not 30 s per call
     assert sorted(d.key for d in done) == [0, 1, 2, 9]
     assert all(d.result.failure == "budget" and not d.result.ok for d in done)
@@ -1052,10 +1083,44 @@ def test_the_step_tool_budget_cuts_running_calls_and_fails_the_rest_at_once():
         worker.close()
 
 
+SLOW_TO_START = """
+import os
+import time
+
+if os.environ.get("GRPO_TEST_SLOW_START"):  # set once the trainer's own import is done: the worker's is slow
+    time.sleep(60)
+
+
+def tool(argument):
+    return argument
+"""
+
+
+def test_a_workers_start_is_bounded_by_what_is_left_of_the_step_budget(tmp_path, monkeypatch):
+    """A tool whose worker takes 60 s to start (a slow import), under a 1.5 s budget: the call fails as a budget
+    cut within seconds, its worker killed, instead of waiting up to the 120 s a start may take (issue 54)."""
+    from grpo_cli.tools.pool import StepCalls, ToolPool
+
+    (tmp_path / "slow_to_start.py").write_text(SLOW_TO_START)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tool,) = load_tools([ToolSpec(function="slow_to_start:tool", timeout_s=30.0)])
+    monkeypatch.setenv("GRPO_TEST_SLOW_START", "1")
+    calls, started = StepCalls(ToolPool(1), budget_s=1.5), time.monotonic()
+    try:
+        calls.submit("k", tool, "x")
+        (done,) = calls.take(())
+        assert time.monotonic() - started < 15
+        assert done.result.failure == "budget" and "budget (1.5 s)" in done.result.text and calls.budget_cuts == 1
+        assert all(w.process is None for w in [tool.worker, *tool.spares])  # killed, not left starting
+    finally:
+        for worker in [tool.worker, *tool.spares]:
+            worker.close()
+
+
 def test_on_vllm_slow_calls_leave_the_other_samples_decoding_and_change_no_sample(vllm_engine, bike_splits):
     """The subtotal task on the real engine, its calculator 1 s late on half of its arguments: the
-    trajectories are those of the prompt calculator (the replies join as they come), and the slow calls ran
-    side by side."""
+    trajectories and the engine's logprobs are those of the prompt calculator, bit for bit (the replies rejoin
+    at the engine steps tools.pool's rule gives), and the slow calls ran side by side."""
     from grpo_cli.config import DataConfig
     from grpo_cli.prompts import render_row
 
@@ -1079,7 +1144,10 @@ def test_on_vllm_slow_calls_leave_the_other_samples_decoding_and_change_no_sampl
             if s["role"] == "tool" and s["seconds"] >= 1.0]
     assert len(late) >= 2 and tool_metrics(slow)["tools/calls_per_sample"] > 0.5
     assert slow.completion_ids == prompt.completion_ids and slow.texts == prompt.texts
+    # the replies rejoined at the same engine steps, so every batch held the same requests: the same bits
+    assert slow.sampling_logprobs == prompt.sampling_logprobs
     assert tool_metrics(slow)["time/tools"] < sum(s["seconds"] for s in late)  # they overlapped
+    assert tool_metrics(slow)["time/tool_late"] > 0 and tool_metrics(prompt)["time/tool_late"] < 0.5
 
 
 # ------------------------------------------------------------------ rewards read the model's own words
@@ -1219,8 +1287,7 @@ def test_a_tool_that_raises_system_exit_fails_its_call_and_never_hangs_the_pool(
     calls, taken = StepCalls(ToolPool(2), None), []
     calls.submit("bad", tool, "--days many")
     calls.submit("good", tool, "--days 3")
-    taker = threading.Thread(target=lambda: [taken.extend(calls.take(block=True)) for _ in range(2) if calls.waiting],
-                             daemon=True)
+    taker = threading.Thread(target=lambda: taken.extend(calls.take(())), daemon=True)
     taker.start()
     taker.join(30)
     try:

@@ -10,7 +10,7 @@ what it can do; `tests/test_layout.py` checks that no engine misses a method.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Hashable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
@@ -32,10 +32,11 @@ class Rollouts:
     capped: list[list[str | None]] = field(default_factory=list)  # [P][G] the tool-run cap that stopped it, or None
     environments: list[list[Any]] = field(default_factory=list)  # [P][G] with rollout.environment: its EnvironmentEnd
     tool_seconds: list[float] = field(default_factory=list)  # one per engine share of a tool run: wall s with a call running
+    tool_late_s: list[float] = field(default_factory=list)  # one per engine share: s the engine waited on late results
     trajectories: list[list[str]] = field(default_factory=list)  # [P][G] a tool run's whole decoded trajectory, replies in it
 
     FIELDS = ("prompt_ids", "completion_ids", "sampling_logprobs", "texts", "truncated", "model_mask", "segments",
-              "capped", "environments", "tool_seconds", "trajectories")
+              "capped", "environments", "tool_seconds", "tool_late_s", "trajectories")
 
     @property
     def num_tokens(self) -> int:
@@ -110,9 +111,10 @@ class Replies(Protocol):
     def waiting(self) -> int:
         """Continuations still to come (calls running or queued, or finished and not taken)."""
 
-    def take(self, block: bool) -> list[Request]:
-        """Those ready now (after a short wait for the calls of the last engine step); with `block`, at least one
-        unless none is waiting."""
+    def take(self, running: Collection[Hashable]) -> list[Request]:
+        """After each engine step, with `running` the ids of the requests the engine holds (decoding or queued;
+        empty when it is idle): the continuations whose rejoin point this step is (tools.pool), waiting for any
+        whose call is still running. A pure function of the engine's steps, never of the clock."""
 
 
 class Completion(NamedTuple):

@@ -4,6 +4,7 @@ policy's parameters, so a push is a no-op, and a sharded policy is gathered once
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -75,19 +76,22 @@ class HFEngine(LeafEngine):
     def generate_each(self, requests: list[Request], on_finish: Callable[[Any, Completion], Request | None],
                       replies: Replies | None = None) -> None:
         """In rounds: each request of a round sampled on its own (n = 1, its seed), its completion handed to
-        `on_finish`; the requests those return, and those `replies` gives back (tool replies, waited for only
-        when nothing else is left to sample), make the next round. One gather of a sharded policy for all."""
+        `on_finish`; the requests those return, and those `replies` gives back after the round (tool replies, at
+        the round tools.pool's rule gives: a round is this engine's step), make the next round. One gather of a
+        sharded policy for all."""
+        numbers = itertools.count()  # each request's id, for the rejoin rule
+        rounds = [(next(numbers), r) for r in requests]
         with gathered(self.policy):
-            while requests or (replies is not None and replies.waiting()):
+            while rounds or (replies is not None and replies.waiting()):
                 follow = []
-                for request in requests:
+                for _, request in rounds:
                     out = self._generate([request.prompt_ids], request.sampling._replace(n=1), [request.seed])
                     done = Completion(out.completion_ids[0][0], out.sampling_logprobs[0][0], out.truncated[0][0])
                     if (nxt := on_finish(request.key, done)) is not None:
-                        follow.append(nxt)
-                if replies is not None:
-                    follow += replies.take(block=not follow)
-                requests = follow
+                        follow.append((next(numbers), nxt))
+                if replies is not None and replies.waiting():
+                    follow += [(next(numbers), r) for r in replies.take([number for number, _ in follow])]
+                rounds = follow
 
     def push_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
         """Nothing to do: this engine samples from the trainer's own parameters."""

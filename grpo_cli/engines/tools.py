@@ -6,9 +6,10 @@ the call together, with no barrier per turn on vLLM:
 
     every sample is a request (n = 1; sample g of prompt p seeded seeds[p] + g, as inside an n = G
     request), stopping at any tool's close string; as each request stops, its call goes to the tool
-    pool (grpo_cli.tools.pool) while the others decode on; when it returns, the reply is tokenized once
-    and appended, and the continuation (prompt + its ids so far, seeded per (prompt seed, sample,
-    request number)) joins the running batch (Engine.generate_each)
+    pool (grpo_cli.tools.pool) while the others decode on; the reply is tokenized once and appended, and
+    the continuation (prompt + its ids so far, seeded per (prompt seed, sample, request number)) joins
+    the running batch (Engine.generate_each) at the engine step the pool's rejoin rule fixes, never at
+    whatever moment the call returned
 
 The transformers engine runs the same requests in rounds (HFEngine.generate_each).
 
@@ -30,6 +31,7 @@ generate call (`tool_workers`, `tool_budget_s`; grpo_cli.tools.pool).
 
 from __future__ import annotations
 
+from collections.abc import Collection, Hashable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -37,8 +39,9 @@ from grpo_cli.config import RolloutConfig
 from grpo_cli.engines.base import Completion, DelegatingEngine, Engine, Request, Rollouts, Sampling
 from grpo_cli.tools.chat import ChatFormat
 from grpo_cli.tools.environment import EnvironmentEnd
-from grpo_cli.tools.load import MAX_RESULT_CHARS, LoadedTool, environment_of
+from grpo_cli.tools.load import LoadedTool, environment_of
 from grpo_cli.tools.pool import CallDone, StepCalls, ToolPool
+from grpo_cli.tools.result import MAX_RESULT_CHARS
 from grpo_cli.tools.tags import Call, TagFormat
 
 
@@ -203,13 +206,13 @@ class ToolEngine(DelegatingEngine):
                 env.forget([t.env_key for group in trajectories for t in group])
             raise
         ends = [[env.end(t.env_key, t.row, t.env_calls) for t in group] for group in trajectories] if env else []
-        return self._rollouts(prompt_ids, trajectories, ends, calls.tool_seconds)
+        return self._rollouts(prompt_ids, trajectories, ends, calls.tool_seconds, calls.late_s)
 
     def _generate_each(self, prompt_ids: list[list[int]], trajectories: list[list[Trajectory]], turn: Sampling,
                        seeds: list[int], calls: StepCalls) -> None:
         """Every turn of every trajectory in one engine loop (`Engine.generate_each`): a trajectory whose turn
-        ends is absorbed, its tool call runs on the pool while the others decode (tools.pool), and it continues
-        when the reply is appended (on vLLM at the next engine step, on transformers in the next round).
+        ends is absorbed, its tool call runs on the pool while the others decode, and it continues with the reply
+        appended at the engine step (a round, on transformers) that tools.pool's rejoin rule gives.
         Sample g of prompt p starts from seed seeds[p] + g, the seed vLLM gives it inside an n = G request, so
         a sample that never calls a tool is the single-turn sample."""
         cap = turn.max_new_tokens
@@ -245,9 +248,9 @@ class ToolEngine(DelegatingEngine):
                 return calls.waiting
 
             @staticmethod
-            def take(block: bool) -> list[Request]:
+            def take(running: Collection[Hashable]) -> list[Request]:
                 follow = []
-                for done in calls.take(block):
+                for done in calls.take(running):
                     t = trajectories[done.key[0]][done.key[1]]
                     if done.result is not None:
                         if done.replay == "replay":  # an environment method that ran: a rebuilt instance replays it
@@ -337,7 +340,7 @@ class ToolEngine(DelegatingEngine):
             t.turns += 1
 
     def _rollouts(self, prompt_ids: list[list[int]], trajectories: list[list[Trajectory]],
-                  ends: list[list[EnvironmentEnd]], tool_seconds: float) -> Rollouts:
+                  ends: list[list[EnvironmentEnd]], tool_seconds: float, late_s: float) -> Rollouts:
         # [P][G] the model's own words (what the rewards read as `completions`), and the whole trajectory
         texts = [["".join(s["text"] for s in t.segments if s["role"] == "model") for t in group] for group in trajectories]
         whole = [[self._decode(t.ids) for t in group] for group in trajectories]
@@ -347,7 +350,7 @@ class ToolEngine(DelegatingEngine):
                         model_mask=[[t.model_mask for t in group] for group in trajectories],
                         segments=[[t.segments for t in group] for group in trajectories],
                         capped=[[t.capped for t in group] for group in trajectories], environments=ends,
-                        tool_seconds=[tool_seconds], trajectories=whole)
+                        tool_seconds=[tool_seconds], tool_late_s=[late_s], trajectories=whole)
 
 
 def with_tools(engine: Engine, tools: list[LoadedTool], rollout: RolloutConfig) -> Engine:

@@ -210,23 +210,23 @@ class VLLMEngine(LeafEngine):
     def generate_each(self, requests: list[Request], on_finish: Callable[[Any, Completion], Request | None],
                       replies: Replies | None = None) -> None:
         """Sample each request (n = 1, its own seed) and hand each completion to `on_finish` as soon as it
-        finishes; what `on_finish` returns, and what `replies` gives back between engine steps (a trajectory
-        whose tool call ran on the pool, its reply appended), joins the running batch at the next engine step.
-        So no request waits for the slowest of a batch, decoding goes on while tools run, and the engine steps
-        until nothing runs and nothing is waiting. The multi-turn tool loop's turns (engines.tools). A failure
+        finishes; what `on_finish` returns, and what `replies` gives back after an engine step (a trajectory
+        whose tool call ran on the pool, its reply appended, at the step tools.pool's rule gives), joins the
+        running batch at the next engine step. So no request waits for the slowest of a batch, decoding goes on
+        while tools run, and the engine steps until nothing runs and nothing is waiting. The multi-turn tool loop's turns (engines.tools). A failure
         half-way aborts the requests still in the engine, so the next generate starts from an empty one."""
         from vllm.sampling_params import RequestOutputKind
 
-        engine, keys, pending = self.llm.llm_engine, {}, list(requests)
+        engine, keys = self.llm.llm_engine, {}  # request id -> its key, for the requests in the engine
+        pending = [(f"grpo-each-{next(self.request_ids)}", r) for r in requests]  # (request id, request) to add
         budget = CPU_MAX_BATCHED_TOKENS // 2 if self.on_cpu else None  # no chunked prefill on CPU (see above)
 
         def add_pending() -> None:
             added = 0
-            while pending and (budget is None or not added or added + len(pending[0].prompt_ids) <= budget):
-                request = pending.pop(0)
+            while pending and (budget is None or not added or added + len(pending[0][1].prompt_ids) <= budget):
+                request_id, request = pending.pop(0)
                 params = sampling_params(request.sampling, request.seed)  # n = 1
                 params.output_kind = RequestOutputKind.FINAL_ONLY  # as LLM.generate sets it
-                request_id = f"grpo-each-{next(self.request_ids)}"
                 keys[request_id] = request.key
                 internal_id = engine.add_request(request_id, {"prompt_token_ids": request.prompt_ids}, params,
                                                  lora_request=self.lora_request)
@@ -237,17 +237,13 @@ class VLLMEngine(LeafEngine):
                         state.logprobs_processor.tokenizer = None
                 added += len(request.prompt_ids)
 
-        def waiting() -> int:
-            return replies.waiting() if replies is not None else 0
+        def queue(request: Request) -> None:
+            pending.append((f"grpo-each-{next(self.request_ids)}", request))
 
         try:
             add_pending()
-            while engine.has_unfinished_requests() or pending or waiting():
-                if not engine.has_unfinished_requests() and not pending:  # nothing to decode: wait for a reply
-                    pending.extend(replies.take(block=True))
-                    add_pending()
-                    continue
-                for out in engine.step():
+            while keys or pending or (replies is not None and replies.waiting()):
+                for out in engine.step() if keys else ():
                     if not out.finished:
                         continue
                     c = out.outputs[0]
@@ -255,9 +251,10 @@ class VLLMEngine(LeafEngine):
                                             [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)],
                                             c.finish_reason == "length")
                     if (follow := on_finish(keys.pop(out.request_id), completion)) is not None:
-                        pending.append(follow)
-                if replies is not None:
-                    pending.extend(replies.take(block=False))
+                        queue(follow)
+                if replies is not None and replies.waiting():  # at the point tools.pool's rule gives, never sooner
+                    for follow in replies.take([*keys, *(request_id for request_id, _ in pending)]):
+                        queue(follow)
                 add_pending()
         except BaseException:
             if keys:  # requests of this call still in the engine: no later generate may meet them

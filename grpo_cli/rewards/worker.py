@@ -22,6 +22,18 @@ from grpo_cli.errors import one_line
 START_TIMEOUT_S = 120.0  # a worker's import of its module (e.g. math-verify, sympy) must finish in this time
 
 
+def start_limit(within_s: float | None) -> float:
+    """The seconds a worker may take to start: START_TIMEOUT_S, or less where the call has less (a tool call's
+    share of its step's budget, issue 54)."""
+    return START_TIMEOUT_S if within_s is None else max(min(START_TIMEOUT_S, within_s), 0.001)
+
+
+def call_limit(limit_s: float, within_s: float | None, spent_s: float) -> float:
+    """A call's own time limit once its worker is up: `limit_s`, cut to what is left of `within_s` after the
+    `spent_s` its start took."""
+    return limit_s if within_s is None else max(min(limit_s, within_s - spent_s), 0.001)
+
+
 def _serve(conn: Any, fn: Any) -> None:
     """The worker's loop: answer (completions, kwargs) with a tagged result. `fn` arrived pickled by
     reference (module and name), so unpickling it imported its module in this process."""
@@ -69,8 +81,8 @@ class RewardWorker:
         """Another worker of the same function and limit (the tool pool runs several side by side)."""
         return RewardWorker(name, self.fn, self.timeout_s)
 
-    def _start(self) -> tuple[str, Any] | None:
-        """Start the worker; None when it is ready, else the failure to report."""
+    def _start(self, within_s: float = START_TIMEOUT_S) -> tuple[str, Any] | None:
+        """Start the worker within `within_s`; None when it is ready, else the failure to report."""
         self.starts += 1
         ctx = multiprocessing.get_context("spawn")  # fork would copy the trainer's threads and locks
         parent, child = ctx.Pipe()
@@ -85,9 +97,9 @@ class RewardWorker:
             return "raised", f"cannot run in a worker ({one_line(e, 240)}); define it at module level, or set timeout_s: null"
         child.close()
         self.conn = parent
-        if not parent.poll(START_TIMEOUT_S):
+        if not parent.poll(within_s):
             self.kill()
-            return "timeout", f"its worker did not start within {START_TIMEOUT_S:g} s"
+            return "timeout", f"its worker did not start within {within_s:g} s"
         try:
             tag, reason = parent.recv()
         except (EOFError, OSError):
@@ -98,19 +110,21 @@ class RewardWorker:
             return tag, reason
         return None
 
-    def call(self, completions: list, kwargs: dict[str, Any], timeout_s: float | None = None) -> tuple[str, Any]:
+    def call(self, completions: list, kwargs: dict[str, Any], timeout_s: float | None = None,
+             within_s: float | None = None) -> tuple[str, Any]:
         """("ok", values) | ("raised" | "type" | "timeout", reason), within timeout_s seconds of the call (the
-        worker's own limit unless given)."""
+        worker's own limit unless given); `within_s`: a bound on the whole of it, a worker's start included."""
+        asked = time.monotonic()
         if self.process is None or not self.process.is_alive():
-            if (failure := self._start()) is not None:
+            if (failure := self._start(start_limit(within_s))) is not None:
                 return failure
         started = time.monotonic()
+        limit = call_limit(timeout_s or self.timeout_s, within_s, started - asked)
         try:
             self.conn.send((completions, kwargs))
         except Exception as e:  # e.g. a column value that cannot be pickled
             self.kill()
             return "raised", f"its inputs could not be sent to the worker: {one_line(e, 240)}"
-        limit = timeout_s or self.timeout_s
         if not self.conn.poll(limit):
             self.kill()
             return "timeout", f"timed out after {limit:g} s (worker killed)"

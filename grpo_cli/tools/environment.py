@@ -34,7 +34,7 @@ from typing import Any, NamedTuple
 from grpo_cli.errors import UsageError, one_line
 from grpo_cli.rewards.load import import_function
 from grpo_cli.rewards.worker import RewardWorker, call_in_process
-from grpo_cli.tools.result import ToolResult
+from grpo_cli.tools.result import ToolResult, result_of
 
 HOOKS = ("reward", "state")  # methods an environment may define that are not tools
 _LIVE: dict[tuple[int, int], Any] = {}  # in the process that runs the environment: trajectory key -> its instance
@@ -71,7 +71,7 @@ class LoadedEnvironment:
         return self.uid, next(self.keys)
 
     def _request(self, key: tuple[int, int], row: dict[str, Any], history: list, method: str,
-                 argument: Any) -> tuple[str, Any]:
+                 argument: Any, within_s: float | None = None) -> tuple[str, Any]:
         columns = row if self.columns is None else {c: row[c] for c in self.columns if c in row}
         request = [(key, self.name, columns, history, method, argument)]
         with self.lock:
@@ -80,29 +80,19 @@ class LoadedEnvironment:
             alive = self.worker.process is not None and self.worker.process.is_alive()
             rebuild = bool(history) and not (alive and self.served.get(key) == self.worker.starts)
             # a worker that lost the instance replays its calls first, each within its own limit
-            result = self.worker.call(request, {}, self.timeout_s * (1 + len(history)) if rebuild else None)
+            result = self.worker.call(request, {}, self.timeout_s * (1 + len(history)) if rebuild else None, within_s)
             self.served[key] = self.worker.starts
             return result
 
     def call(self, key: tuple[int, int], row: dict[str, Any], history: list, method: str,
-             argument: Any) -> tuple[ToolResult, str]:
-        """One tool call on trajectory `key`'s instance: (what the model reads, "replay" | "lost"). "replay": it
-        ran, so a rebuilt instance must see it again (append it to the history); "lost": the worker was killed
-        (the call overran: a "timeout" failure, counted as a tool's), and the call is not replayed."""
-        tag, out = self._request(key, row, history, method, argument)
-        if tag == "ok":
-            value = out[0]
-            if not isinstance(value, str):
-                return ToolResult(f"error: the tool returned {type(value).__name__}, not text", False), "replay"
-            return ToolResult(value, True), "replay"
-        reason = out.removeprefix("raised ")
-        lost = self.worker is not None and self.worker.process is None  # killed: its instances are gone
-        failure = "timeout" if tag == "timeout" else None
-        if reason.startswith("ToolFailed: "):  # the tool's own account of what stopped it
-            reason = reason.removeprefix("ToolFailed: ")
-        else:
-            reason = f"the tool {reason}"
-        return ToolResult(f"error: {reason}"[:240], False, failure), "lost" if lost else "replay"
+             argument: Any, within_s: float | None = None) -> tuple[ToolResult, str]:
+        """One tool call on trajectory `key`'s instance, within `within_s` (what is left of the step's tool budget,
+        tools.pool) when given: (what the model reads, "replay" | "lost"). "replay": it ran, so a rebuilt
+        instance must see it again (append it to the history); "lost": the worker was killed (the call overran:
+        a "timeout" failure, counted as a tool's), and the call is not replayed."""
+        tag, out = self._request(key, row, history, method, argument, within_s)
+        lost = tag != "ok" and self.worker is not None and self.worker.process is None  # killed: instances gone
+        return result_of(tag, out), "lost" if lost else "replay"
 
     def end(self, key: tuple[int, int], row: dict[str, Any], history: list) -> EnvironmentEnd:
         """The finished trajectory's state and reward; its instance is dropped."""

@@ -22,9 +22,7 @@ from grpo_cli.rewards.worker import RewardWorker, call_in_process
 from grpo_cli.tools.builtin import BUILTIN_TOOLS, UNSANDBOXED_TOOLS, ToolFn, runs_untrusted_code
 from grpo_cli.tools.chat import tool_schema
 from grpo_cli.tools.environment import load_environment
-from grpo_cli.tools.result import ToolResult
-
-MAX_RESULT_CHARS = 4096  # a result is cut to this many characters before it is tokenized (a tool may print 1 MB)
+from grpo_cli.tools.result import ToolResult, result_of
 
 
 @dataclass(frozen=True)
@@ -173,25 +171,15 @@ def call_each(arguments: list[str | dict], tool: ToolFn) -> list[Any]:
 
 
 def call_tool(tool: LoadedTool, argument: str | dict, worker: RewardWorker | None = None,
-              timeout_s: float | None = None) -> ToolResult:
-    """One call, in a worker of the tool (`worker`, or its own) within `timeout_s` (its own limit unless given),
-    or in process without a limit; never raises."""
+              timeout_s: float | None = None, within_s: float | None = None) -> ToolResult:
+    """One call, in a worker of the tool (`worker`, or its own) within `timeout_s` (its own limit unless given)
+    and `within_s` its worker's start included, or in process without a limit; never raises."""
     worker = worker or tool.worker
     if worker is not None:
-        tag, out = worker.call([argument], {}, timeout_s)
+        tag, out = worker.call([argument], {}, timeout_s, within_s)
     else:
         tag, out = call_in_process(call_each, [argument], {"tool": tool.fn})
-    if tag == "timeout":
-        return ToolResult(f"error: the tool {out}"[:240], False, "timeout")
-    if tag != "ok":
-        reason = out.removeprefix("raised ")
-        if reason.startswith("ToolFailed: "):  # the tool's own account of what stopped it
-            return ToolResult(f"error: {reason.removeprefix('ToolFailed: ')}"[:240], False)
-        return ToolResult(f"error: the tool {reason}"[:240], False)
-    value = out[0]
-    if not isinstance(value, str):
-        return ToolResult(f"error: the tool returned {type(value).__name__}, not text", False)
-    return ToolResult(value[:MAX_RESULT_CHARS], True)
+    return result_of(tag, out)
 
 
 def close_tools(tools: list[LoadedTool]) -> None:

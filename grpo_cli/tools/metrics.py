@@ -17,7 +17,8 @@ def tool_metrics(rollouts: Rollouts) -> dict[str, float]:
     """Per-sample means of a step's (or held-out set's) trajectories: tool calls (all, per tool that was
     called, failed), the share of samples that call one, model turns, model and environment tokens, and
     the share stopped by each cap; and the step's tool time (time/tools: wall seconds with a call running, the
-    slowest engine share's; time/tool_calls: the calls' seconds summed; time/tool_wait_max: the most one
+    slowest engine share's; time/tool_late: the seconds its engine stopped for results late at their rejoin
+    point (tools.pool); time/tool_calls: the calls' seconds summed; time/tool_wait_max: the most one
     trajectory waited on its own calls, a floor under the step's sampling time however many calls overlap)."""
     samples = [(segments, mask, capped) for seg_group, mask_group, cap_group in
                zip(rollouts.segments, rollouts.model_mask, rollouts.capped)
@@ -39,6 +40,7 @@ def tool_metrics(rollouts: Rollouts) -> dict[str, float]:
         **{f"tools/capped/{cap}": caps[cap] / n
            for cap in ("turn_tokens", "trajectory_tokens", "turns", "tool_calls", "tool_timeouts")},
         "time/tools": max(rollouts.tool_seconds, default=0.0),
+        "time/tool_late": max(rollouts.tool_late_s, default=0.0),
         "time/tool_calls": sum(s.get("seconds", 0.0) for s in calls),
         "time/tool_wait_max": max((sum(s.get("seconds", 0.0) for s in segments if s["role"] == "tool")
                                    for segments, _, _ in samples), default=0.0),

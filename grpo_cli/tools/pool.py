@@ -1,19 +1,27 @@
-"""Tool calls off the decoding loop: a pool of threads runs the calls of different trajectories at once, while
-the engine decodes the others, under a tool-time budget per generate call (issue 36, docs/tools.md).
+"""The one home of a tool call's rules: where it runs, its budget and time limits, and when its result rejoins
+decoding (issue 36, issue 54, docs/tools.md). What the model reads of an answer, and what counts as a timeout,
+is `tools.result.result_of`, the one function the pool's calls and an environment's share.
 
 The engine loop never runs a tool. `ToolEngine` hands each call to `StepCalls.submit`, which queues it on
 the pool; a thread runs it (a tool with a time limit in a worker process of its own, one per thread, so
 calls of one tool run side by side; an environment's methods one at a time, in the environment's one
 process, under its lock; a tool with `timeout_s: null` in this process, on any of the pool's threads at once,
-so it must be thread-safe) and the loop takes the finished calls back between engine steps (`StepCalls.take`),
-in the order they were submitted. A call that answers within `JOIN_WAIT_S` of the engine step that submitted it joins the
-next step, as a synchronous call would: a run whose tools are fast batches exactly as before. A slower one
-leaves the others decoding and joins at the first step after it answers.
+so it must be thread-safe).
+
+When a result rejoins is a rule of the engine's steps, never of the clock, so a run with tools is a pure
+function of its seed however long its calls take: a call submitted at an engine step waits out the *wave*
+of requests the engine held after that step (those decoding, and those queued to start), and rejoins at the
+first step after the last of them finished; the engine runs on meanwhile, and other calls overlap it and
+each other. A result that is late at its point stops the engine until it comes (the only wait; `late_s`
+sums it, logged as time/tool_late); so when nothing is left to decode, every call still out rejoins, together.
+Calls that need no tool (a turn that goes on, a call the model wrote badly) rejoin at the next step.
 
 The budget is wall time with at least one call running, per generate call (a step's sampling, a held-out
-evaluation). A call is never let run past what is left of it (its worker is killed then, as on its own
-timeout); once it is spent, every call fails at once with an error the model reads. An in-process tool
-(`timeout_s: null`) cannot be killed: it runs to its end, and only the calls not yet started fail.
+evaluation). A call is never let run past what is left of it, its worker's start included (its worker is
+killed then, as on its own timeout); once it is spent, every call fails at once with an error the model reads.
+An in-process tool (`timeout_s: null`) cannot be killed: it runs to its end, and only the calls not yet
+started fail. A call that times out or meets the budget depends on the clock by nature: the budget and the
+time limits are guards against hung tools, not part of a healthy run.
 """
 
 from __future__ import annotations
@@ -22,12 +30,10 @@ import functools
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Hashable
 from typing import Any, NamedTuple
 
 from grpo_cli.tools.load import LoadedTool, ToolResult, call_tool
-
-JOIN_WAIT_S = 0.02  # how long the loop waits, after an engine step, for the calls that step submitted
 
 
 class CallDone(NamedTuple):
@@ -74,19 +80,21 @@ class ToolPool:
 
 
 class StepCalls:
-    """One generate call's tool calls: submitted by the engine loop, run on the pool, taken back in order."""
+    """One generate call's tool calls: submitted by the engine loop, run on the pool, rejoining at the point the
+    module docstring's rule gives."""
 
     def __init__(self, pool: ToolPool, budget_s: float | None) -> None:
         self.pool, self.budget_s = pool, budget_s
         self.lock = threading.Condition()
-        self.done: dict[int, CallDone] = {}  # submission number -> the finished call
+        self.done: dict[int, CallDone] = {}  # submission number -> the finished call, not yet rejoined
         self.next_index = 0  # the next submission's number
-        self.fresh: list[int] = []  # numbers submitted since the last take
-        self.outstanding = 0  # submitted, not yet taken
+        self.fresh: list[int] = []  # submitted since the last take: their wave is the engine's requests at the next
+        self.waves: dict[int, set] = {}  # submission number -> the requests it still waits out (empty: due)
         self.running = 0  # calls running now
         self.busy_s = 0.0  # wall time with a call running, up to `busy_since`
         self.busy_since = 0.0
         self.budget_cuts = 0  # calls failed or cut because the budget was spent
+        self.late_s = 0.0  # seconds the engine waited for results late at their rejoin point
 
     def _spent(self) -> float:
         """Seconds of the budget used so far (under the lock)."""
@@ -123,24 +131,26 @@ class StepCalls:
     def submit(self, key: Any, tool: LoadedTool | None, argument: Any, env_call: tuple | None = None) -> None:
         """Queue one call (`tool` None: a call the model wrote badly, its reason in `argument`; `env_call`: an
         environment method's (instance key, row, history)); it runs on the pool."""
+        if tool is None:
+            self._settled(CallDone(key, ToolResult(f"error: {argument}", False), 0.0, ""))
+            return
         with self.lock:
             index = self.next_index
             self.next_index += 1
             self.fresh.append(index)
-            self.outstanding += 1
-        if tool is None:
-            self._finish(index, CallDone(key, ToolResult(f"error: {argument}", False), 0.0, ""))
-            return
         self.pool.run(functools.partial(self._run, index, key, tool, argument, env_call))
 
     def resume(self, key: Any) -> None:
-        """A trajectory that goes on without a call (its turn is not over): it rejoins in submission order."""
+        """A trajectory that goes on without a call (its turn is not over): it rejoins at the next step."""
+        self._settled(CallDone(key, None, 0.0, ""))
+
+    def _settled(self, done: CallDone) -> None:
+        """A call with nothing to run: due at once, rejoining at the next take in submission order."""
         with self.lock:
             index = self.next_index
             self.next_index += 1
-            self.fresh.append(index)
-            self.outstanding += 1
-            self.done[index] = CallDone(key, None, 0.0, "")
+            self.waves[index] = set()
+            self.done[index] = done
 
     def _run(self, index: int, key: Any, tool: LoadedTool, argument: Any, env_call: tuple | None) -> None:
         left = self._begin()
@@ -152,21 +162,21 @@ class StepCalls:
         result = ToolResult("error: the tool failed", False)
         try:
             if env_call is not None:
-                result, replay = tool.environment.call(*env_call, tool.name, argument)
+                result, replay = tool.environment.call(*env_call, tool.name, argument, within_s=left)
+                limit_s = tool.environment.timeout_s
             elif tool.worker is None:
-                result = call_tool(tool, argument)
+                result, limit_s = call_tool(tool, argument), None
             else:
                 worker = self.pool.checkout(tool)
                 try:
-                    limit = tool.timeout_s if left is None else min(tool.timeout_s, left)
-                    result = call_tool(tool, argument, worker, limit)
-                    if result.failure == "timeout" and left is not None and left < tool.timeout_s:
-                        with self.lock:
-                            self.budget_cuts += 1
-                        result = ToolResult(f"error: the call ran past this step's tool time budget "
-                                            f"({self.budget_s:g} s)", False, "budget")
+                    result, limit_s = call_tool(tool, argument, worker, within_s=left), tool.timeout_s
                 finally:
                     self.pool.checkin(tool, worker)
+            if result.failure == "timeout" and left is not None and limit_s is not None and left < limit_s:
+                with self.lock:  # cut by what was left of the budget, not by its own limit
+                    self.budget_cuts += 1
+                result = ToolResult(f"error: the call ran past this step's tool time budget ({self.budget_s:g} s)",
+                                    False, "budget")
         except BaseException as e:  # noqa: BLE001 - a thread's failure becomes the call's, never a hang (issue 54)
             result = ToolResult(f"error: the tool failed: {type(e).__name__}", False)
         finally:
@@ -175,20 +185,25 @@ class StepCalls:
 
     @property
     def waiting(self) -> int:
-        """Submitted and not yet taken back."""
+        """Submitted and not yet rejoined."""
         with self.lock:
-            return self.outstanding
+            return len(self.fresh) + len(self.waves)
 
-    def take(self, block: bool) -> list[CallDone]:
-        """Every finished call, in submission order. First waits up to JOIN_WAIT_S for those submitted since the
-        last take (a fast call joins the next engine step); with `block`, until at least one is ready."""
+    def take(self, running: Collection[Hashable]) -> list[CallDone]:
+        """After an engine step, with `running` the ids of the requests the engine holds (decoding or queued; none:
+        it is idle): the calls whose rejoin point this is, in submission order, waiting for any still running."""
         with self.lock:
-            deadline = time.monotonic() + JOIN_WAIT_S
-            while any(i not in self.done for i in self.fresh) and (left := deadline - time.monotonic()) > 0:
-                self.lock.wait(left)
-            while block and self.outstanding and not self.done:
-                self.lock.wait()
-            self.fresh = []  # a call that missed its wait no longer holds a step: it joins whenever it returns
-            out = [self.done.pop(i) for i in sorted(self.done)]
-            self.outstanding -= len(out)
-            return out
+            for index in self.fresh:
+                self.waves[index] = set(running)
+            self.fresh = []
+            for wave in self.waves.values():
+                wave.intersection_update(running)
+            due = [i for i in sorted(self.waves) if not self.waves[i]]  # with nothing running: every call out
+            if any(i not in self.done for i in due):
+                waited = time.monotonic()
+                while any(i not in self.done for i in due):
+                    self.lock.wait()
+                self.late_s += time.monotonic() - waited
+            for index in due:
+                del self.waves[index]
+            return [self.done.pop(i) for i in due]

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from grpo_cli.rewards.worker import call_limit, start_limit
 from grpo_cli.tools.seccomp import filter_fd, program
 
 SANDBOX_UID = 65534  # "nobody": the code's uid and gid inside, where the trainer is not root (a user namespace)
@@ -559,7 +560,7 @@ class SandboxedWorker:
             raise ValueError("a frame without this call's key")
         return str(frame[1]), frame[2]
 
-    def _start(self) -> tuple[str, Any] | None:
+    def _start(self, within_s: float) -> tuple[str, Any] | None:
         import json
         import pickle
         import secrets
@@ -578,8 +579,11 @@ class SandboxedWorker:
                                             stderr=subprocess.DEVNULL, start_new_session=True, bufsize=0,
                                             pass_fds=(fd,))
             self._send(pickle.dumps((self.fn, key)))
-            tag, reason = self._receive(key, 120.0)
-        except (OSError, EOFError, TimeoutError, ValueError, pickle.PickleError) as e:
+            tag, reason = self._receive(key, within_s)
+        except TimeoutError:
+            self.kill()
+            return "timeout", f"its sandboxed worker did not start within {within_s:g} s"
+        except (OSError, EOFError, ValueError, pickle.PickleError) as e:
             self.kill()
             return "raised", f"its sandboxed worker did not start ({type(e).__name__}: {' '.join(str(e).split())[:160]})"
         finally:
@@ -587,15 +591,17 @@ class SandboxedWorker:
                 os.close(fd)
         return None if tag == "ready" else (tag, reason)
 
-    def call(self, completions: list, kwargs: dict[str, Any], timeout_s: float | None = None) -> tuple[str, Any]:
+    def call(self, completions: list, kwargs: dict[str, Any], timeout_s: float | None = None,
+             within_s: float | None = None) -> tuple[str, Any]:
         """As RewardWorker.call: ("ok", values) | ("raised" | "type" | "timeout", reason)."""
-        if self.process is None or self.process.poll() is not None:
-            if (failure := self._start()) is not None:
-                return failure
         import json
         import secrets
 
-        limit, key = timeout_s or self.timeout_s, secrets.token_hex(16)
+        asked = time.monotonic()
+        if self.process is None or self.process.poll() is not None:
+            if (failure := self._start(start_limit(within_s))) is not None:
+                return failure
+        limit, key = call_limit(timeout_s or self.timeout_s, within_s, time.monotonic() - asked), secrets.token_hex(16)
         try:
             request = json.dumps([key, completions, kwargs]).encode()
         except (TypeError, ValueError) as e:  # arguments JSON cannot carry

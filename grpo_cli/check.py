@@ -153,7 +153,11 @@ def tool_lines(cfg: TrainConfig) -> list[str]:
             f"tool calls: up to {r.tool_workers} at once beside decoding (rollout.tool_workers); "
             + (f"{r.tool_budget_s:g} s of tool time per step (rollout.tool_budget_s)" if r.tool_budget_s else
                "no tool time budget per step")
-            + f"; a trajectory is cut at {r.max_tool_timeouts} calls out of time (rollout.max_tool_timeouts)", *syntax]
+            + f"; a trajectory is cut at {r.max_tool_timeouts} calls out of time (rollout.max_tool_timeouts)",
+            "replies rejoin decoding " + ("at engine steps the run fixes: it replays bit for bit"
+                                          if r.tool_rejoin == "wave" else "as they return: the run follows the "
+                                          "clock and does not replay") + f" (rollout.tool_rejoin={r.tool_rejoin})",
+            *syntax]
 
 
 def sandbox_lines(cfg: TrainConfig) -> list[str]:

@@ -129,6 +129,9 @@ class EnvironmentSpec:
     timeout_s: float | None = 10.0  # time limit per method call, in the environment's worker process (killed on overrun); None = in-process
 
 
+TOOL_REJOIN = ("wave", "asap")  # the rejoin rules of tools.pool.REJOIN_RULES
+
+
 @dataclass
 class RolloutConfig:
     engine: str = "vllm"  # generation backend: "vllm" (default) | "hf" (transformers generate, for machines without vLLM)
@@ -164,6 +167,7 @@ class RolloutConfig:
     tool_workers: int = 16  # tools: calls run at once, off the decoding loop (a tool with timeout_s: a worker process per slot; docs/tools.md)
     tool_budget_s: float | None = 120.0  # tools: wall seconds with a call running, per generate call (a step's sampling, an evaluation); then calls fail at once; None = no budget
     max_tool_timeouts: int = 2  # tools: a trajectory whose calls time out (or meet the spent budget) this many times is cut
+    tool_rejoin: str = "wave"  # tools: when a reply rejoins decoding: "wave" (at an engine step the run fixes: it replays bit for bit) | "asap" (as it returns: faster with slow tools; the run follows the clock and does not replay; docs/tools.md)
 
     @property
     def multi_turn(self) -> bool:
@@ -228,6 +232,8 @@ class RolloutConfig:
             _require(self.tool_budget_s is None or (math.isfinite(self.tool_budget_s) and self.tool_budget_s > 0),
                      "rollout.tool_budget_s", f"{self.tool_budget_s} must be > 0 seconds, or null for no budget")
             _require(self.max_tool_timeouts >= 1, "rollout.max_tool_timeouts", "must be >= 1")
+            _require(self.tool_rejoin in TOOL_REJOIN, "rollout.tool_rejoin",
+                     f"'{self.tool_rejoin}' is not one of {', '.join(TOOL_REJOIN)}")
             _require(self.max_trajectory_tokens is None or self.max_trajectory_tokens >= self.max_new_tokens,
                      "rollout.max_trajectory_tokens", f"{self.max_trajectory_tokens} is below rollout.max_new_tokens="
                      f"{self.max_new_tokens}, the first turn's cap")

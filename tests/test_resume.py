@@ -137,17 +137,18 @@ TOOLS = ("rollout.tools=[{function:test_rewards_mod:echo,open:' ',close:e,timeou
          "rollout.tool_result_tags=['[',']']", "rollout.max_turns=3", "rollout.max_trajectory_tokens=40")
 
 
-def kill_when(workdir: Path, out: str, ready: str, *extra: str) -> tuple[Path, str]:
-    """`python -m grpo_cli train ...` SIGKILLed once a file matching `ready` (under its output_dir) exists: the
-    file, and what the run printed. Its reward sleeps 0.2 s a call (the numbers are the same): a tiny-model step
-    takes tens of milliseconds, and steps 3, 4 and the final save once finished inside the 0.1 s poll, before
-    the kill."""
+def kill_when(workdir: Path, out: str, ready: str, *extra: str, lines: int = 0) -> tuple[Path, str]:
+    """`python -m grpo_cli train ...` SIGKILLed once a file matching `ready` (under its output_dir) exists and
+    holds more than `lines` lines: the file, and what the run printed. Its reward sleeps 0.2 s a call (the
+    numbers are the same): a tiny-model step takes tens of milliseconds, and steps 3, 4 and the final save once
+    finished inside the 0.1 s poll, before the kill."""
     proc = subprocess.Popen([sys.executable, "-m", "grpo_cli", *args(workdir, out, *extra)], cwd=workdir,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                             env={**os.environ, "SLOW_REWARD_S": "0.2"})
     deadline, marker = time.time() + 600, None
     while time.time() < deadline and proc.poll() is None and marker is None:
-        marker = next(iter((workdir / out).glob(ready)), None)
+        found = [p for p in (workdir / out).glob(ready) if len(p.read_text().splitlines()) > lines]
+        marker = found[0] if found else None
         time.sleep(0.1)
     assert marker is not None, f"no {ready} appeared"
     proc.send_signal(signal.SIGKILL)
@@ -176,11 +177,16 @@ def test_resume_after_sigkill_gives_the_same_weights(in_workdir, capsys, menu):
     code, _, err = run(capsys, workdir, straight_dir, "trainer.steps=4", *menu)
     assert code == 0, err[-2000:]
     command = ("trainer.steps=4", "checkpoint.every=2", "resume=auto", *menu)  # a requeued job's one command
+    # a requeued job's one command, SIGKILLed three times: before its first checkpoint, after it, and after resuming
     if not menu:  # its first attempt, killed before its first checkpoint, leaves nothing to resume (issue 54)
         (first, printed) = kill_when(workdir, killed, "bike_pricing/*/metrics.jsonl", *command)
         assert "resume=auto: no run of bike_pricing under" in printed and "starting a new run" in printed
         assert not (first.parent / "checkpoints").exists()
     run_dir = kill_at_step_2(workdir, killed, *command)
+    if not menu:  # and once more after resuming, before its next checkpoint (the step-3 line is logged)
+        assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 3  # steps 0-2: step 3 is the resume's
+        _, printed = kill_when(workdir, killed, f"bike_pricing/{run_dir.name}/metrics.jsonl", *command, lines=3)
+        assert f"resumed from {run_dir}" in printed and not (run_dir / "checkpoints" / "final").exists()
     code, out, err = run(capsys, workdir, killed, *command)
     assert code == 0, err[-2000:]
     assert f"resumed from {run_dir}" in out

@@ -400,6 +400,10 @@ def test_grpo_check_prints_the_environment_and_train_refuses_a_bad_one_before_lo
            "(tags: subtotal subtotal: ...)" in checked.stdout
     assert "tool calls: up to 16 at once beside decoding (rollout.tool_workers); 120 s of tool time per step" \
            in " ".join(checked.stdout.split())
+    assert "replies rejoin decoding at engine steps the run fixes: it replays bit for bit (rollout.tool_rejoin=wave)" \
+           in " ".join(checked.stdout.split())
+    refused = cli("check", "recipe=bike_pricing", *SUBTOTAL_ENVIRONMENT, "rollout.tool_rejoin=soon")
+    assert refused.returncode == 2 and "rollout.tool_rejoin: 'soon' is not one of wave, asap" in refused.stderr
     refused = cli("train", "recipe=bike_pricing", "rollout.environment.cls=test_tools:NoTools")
     assert refused.returncode == 2 and "test_tools:NoTools has no public method" in refused.stderr
     assert "vLLM" not in refused.stdout + refused.stderr  # refused at the edge: no engine started
@@ -1094,6 +1098,28 @@ if os.environ.get("GRPO_TEST_SLOW_START"):  # set once the trainer's own import 
 def tool(argument):
     return argument
 """
+
+
+def test_rollout_tool_rejoin_asap_takes_replies_as_they_return_and_names_every_rule():
+    """The opt-in rule: a reply rejoins at the first step after it returned (it does not wait out a wave), and
+    with nothing running the engine waits only for the first to return. config.TOOL_REJOIN names the table."""
+    from grpo_cli.config import TOOL_REJOIN
+    from grpo_cli.tools.pool import REJOIN_RULES, StepCalls, ToolPool
+
+    assert tuple(REJOIN_RULES) == TOOL_REJOIN
+    (tool,) = load_tools([ToolSpec(function="test_tools:naps", timeout_s=None)])
+    calls = StepCalls(ToolPool(4), None, "asap")
+    calls.submit("fast", tool, "x")
+    os.environ["GRPO_TEST_NAP"] = "0.5"
+    try:
+        calls.submit("slow", tool, "slow")
+        time.sleep(0.2)
+        assert [d.key for d in calls.take({"a", "b"})] == ["fast"]  # its wave, a and b, still decodes
+        started = time.monotonic()
+        assert [d.key for d in calls.take(set())] == ["slow"] and time.monotonic() - started > 0.1
+    finally:
+        del os.environ["GRPO_TEST_NAP"]
+    assert calls.late_s == 0.0 and calls.waiting == 0
 
 
 def test_a_workers_start_is_bounded_by_what_is_left_of_the_step_budget(tmp_path, monkeypatch):

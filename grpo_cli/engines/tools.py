@@ -53,6 +53,7 @@ class ToolCaps(NamedTuple):
     max_tool_timeouts: int = 2  # calls of a trajectory that time out (or meet the spent budget) before it is cut
     tool_workers: int = 16  # calls run at once (tools.pool)
     tool_budget_s: float | None = None  # seconds of tool time per generate call; None = no budget
+    tool_rejoin: str = "wave"  # when a reply rejoins decoding (tools.pool.REJOIN_RULES)
 
 
 @dataclass
@@ -198,7 +199,7 @@ class ToolEngine(DelegatingEngine):
                     t.row, t.env_key = row, env.new_key()  # a fresh instance per sample
         turn = sampling._replace(stop=tuple(stops),
                                  max_new_tokens=min(sampling.max_new_tokens, caps.max_trajectory_tokens))
-        calls = StepCalls(self.pool, self.caps.tool_budget_s)
+        calls = StepCalls(self.pool, self.caps.tool_budget_s, self.caps.tool_rejoin)
         try:
             self._generate_each(prompt_ids, trajectories, turn, seeds, calls)
         except BaseException:
@@ -364,5 +365,6 @@ def with_tools(engine: Engine, tools: list[LoadedTool], rollout: RolloutConfig) 
     else:
         fmt = TagFormat(tuple((t.name, t.open, t.close) for t in tools), *rollout.tool_result_tags)
     caps = ToolCaps(rollout.max_turns, rollout.max_tool_calls, rollout.max_tool_result_tokens,
-                    rollout.trajectory_tokens, rollout.max_tool_timeouts, rollout.tool_workers, rollout.tool_budget_s)
+                    rollout.trajectory_tokens, rollout.max_tool_timeouts, rollout.tool_workers, rollout.tool_budget_s,
+                    rollout.tool_rejoin)
     return ToolEngine(engine, tools, fmt, caps)

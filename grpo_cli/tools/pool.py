@@ -83,8 +83,8 @@ class StepCalls:
     """One generate call's tool calls: submitted by the engine loop, run on the pool, rejoining at the point the
     module docstring's rule gives."""
 
-    def __init__(self, pool: ToolPool, budget_s: float | None) -> None:
-        self.pool, self.budget_s = pool, budget_s
+    def __init__(self, pool: ToolPool, budget_s: float | None, rejoin: str = "wave") -> None:
+        self.pool, self.budget_s, self.due = pool, budget_s, REJOIN_RULES[rejoin]
         self.lock = threading.Condition()
         self.done: dict[int, CallDone] = {}  # submission number -> the finished call, not yet rejoined
         self.next_index = 0  # the next submission's number
@@ -196,9 +196,7 @@ class StepCalls:
             for index in self.fresh:
                 self.waves[index] = set(running)
             self.fresh = []
-            for wave in self.waves.values():
-                wave.intersection_update(running)
-            due = [i for i in sorted(self.waves) if not self.waves[i]]  # with nothing running: every call out
+            due = self.due(self, running)
             if any(i not in self.done for i in due):
                 waited = time.monotonic()
                 while any(i not in self.done for i in due):
@@ -207,3 +205,23 @@ class StepCalls:
             for index in due:
                 del self.waves[index]
             return [self.done.pop(i) for i in due]
+
+
+def wave_due(calls: StepCalls, running: Collection[Hashable]) -> list[int]:
+    """rollout.tool_rejoin=wave: the calls whose wave has finished (every call out, when nothing runs), ready or
+    not: a rule of the engine's steps, so the run replays bit for bit (module docstring). Under calls.lock."""
+    for wave in calls.waves.values():
+        wave.intersection_update(running)
+    return [i for i in sorted(calls.waves) if not calls.waves[i]]
+
+
+def asap_due(calls: StepCalls, running: Collection[Hashable]) -> list[int]:
+    """rollout.tool_rejoin=asap: the calls that have returned, in submission order; with nothing running, those
+    returned once the first one does. Faster where calls are slow, but which requests share a batch follows the
+    clock: the engine's logprobs (and on a GPU possibly tokens) change from run to run. Under calls.lock."""
+    while not running and calls.waves and not any(i in calls.done for i in calls.waves):
+        calls.lock.wait()
+    return [i for i in sorted(calls.waves) if i in calls.done]
+
+
+REJOIN_RULES = {"wave": wave_due, "asap": asap_due}  # rollout.tool_rejoin (config.TOOL_REJOIN names them)

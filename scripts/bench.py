@@ -4,6 +4,7 @@ how cost grows with work, and the loss's peak memory.
     make bench                      # everything (about 15 minutes on 2 CPU cores)
     python scripts/bench.py --quick # fewer steps and scaling points (about 6 minutes)
     python scripts/bench.py --only compare,bounds --steps 10
+    python scripts/bench.py --only bounds --set rollout.temperature=0.7
 
 Sections (each heavy piece runs in its own subprocess, one at a time, so nothing
 shares the CPU with it and no engine outlives its measurement):
@@ -228,7 +229,7 @@ def worker_bounds(args: argparse.Namespace) -> dict[str, Any]:
     from grpo_cli.rollout import sample_seeds
 
     torch.set_num_threads(threads)
-    cfg = load_recipe()
+    cfg = load_recipe(args.set)
     r, P, G = cfg.rollout, cfg.rollout.prompts_per_step, cfg.rollout.group_size
     steps = args.warmup + args.steps
     rows, prompts = workload_prompts(cfg, P * steps)
@@ -237,33 +238,36 @@ def worker_bounds(args: argparse.Namespace) -> dict[str, Any]:
     tok = engine.tokenizer
     prompt_ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
 
-    def raw(batch: list[list[int]], seeds: list[int]) -> Any:  # vLLM's defaults: no logprobs, detokenized text
-        params = [SamplingParams(n=G, temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_new_tokens, seed=s)
-                  for s in seeds]
+    def raw(batch: list[list[int]], seeds: list[int], logprobs: int | None = None) -> Any:
+        """vLLM's defaults (detokenized text, no logprobs) with the run's sampling settings; `logprobs=0`: one
+        logprob per token too, the engine's own mode (what vLLM itself charges for them)."""
+        params = [SamplingParams(n=G, temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_new_tokens, seed=s,
+                                 logprobs=logprobs) for s in seeds]
         return engine.llm.generate([{"prompt_token_ids": ids} for ids in batch], params, use_tqdm=False)
 
-    ours_tps, raw_tps, correct, last = [], [], [], None
+    tps: dict[str, list[float]] = {"ours": [], "raw": [], "raw_logprobs": []}
+    correct, last = [], None
     for k in range(steps):
         batch = prompt_ids[k * P:(k + 1) * P]
         seeds = sample_seeds(cfg.trainer.seed, k + 1, P, group_size=G)
-        timed: dict[str, float] = {}
-        for name in ("ours", "raw") if k % 2 == 0 else ("raw", "ours"):  # alternate who goes first
-            engine.llm.reset_prefix_cache()  # neither reuses the other's prompt KV blocks
+        tokens: dict[str, int] = {}
+        names = ["ours", "raw", "raw_logprobs"]
+        for name in names[k % 3:] + names[:k % 3]:  # rotate who goes first
+            engine.llm.reset_prefix_cache()  # none reuses another's prompt KV blocks
             tick = time.perf_counter()
             if name == "ours":
                 ours = engine.generate(batch, Sampling(G, r.temperature, r.top_p, r.max_new_tokens), seeds)
+                tokens[name] = ours.num_tokens
             else:
-                outs = raw(batch, seeds)
-            timed[name] = time.perf_counter() - tick
-        ours_s, raw_s = timed["ours"], timed["raw"]
-        texts = [c.text for o in outs for c in o.outputs]
-        raw_tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+                outs = raw(batch, seeds, 0 if name == "raw_logprobs" else None)
+                tokens[name] = sum(len(c.token_ids) for o in outs for c in o.outputs)
+            if k >= args.warmup:
+                tps[name].append(tokens[name] / (time.perf_counter() - tick))
+            if name == "raw":
+                texts = [c.text for o in outs for c in o.outputs]
         scores = rewards.correct(texts, [row["answer"] for row in rows[k * P:(k + 1) * P] for _ in range(G)],
                                  cfg.data.answer_format)  # [P*G]
         correct += [statistics.mean(scores[p * G:(p + 1) * G]) for p in range(P)]  # per prompt
-        if k >= args.warmup:
-            ours_tps.append(ours.num_tokens / ours_s)
-            raw_tps.append(raw_tokens / raw_s)
         last = (batch, ours)
 
     # The training bound: one step's sequences (prompt + completion) through plain transformers code.
@@ -295,8 +299,10 @@ def worker_bounds(args: argparse.Namespace) -> dict[str, Any]:
         plain_step(rows_per_pass)  # warm-up
         plain[str(rows_per_pass)] = spread([tokens / plain_step(rows_per_pass) for _ in range(5)])
     return {
-        "ours_rollout_tokens_per_s": spread(ours_tps),
-        "raw_vllm_tokens_per_s": spread(raw_tps),
+        "ours_rollout_tokens_per_s": spread(tps["ours"]),
+        "raw_vllm_tokens_per_s": spread(tps["raw"]),
+        "raw_vllm_logprobs_tokens_per_s": spread(tps["raw_logprobs"]),
+        "overrides": args.set,
         "base_correct_per_prompt": correct,  # the base model's accuracy on each prompt, in grpo train's order
         "plain_train_tokens_per_s": plain,
         "train_batch": {"sequences": len(sequences), "tokens": tokens},
@@ -436,7 +442,8 @@ def section_compare(args: argparse.Namespace, report: dict[str, Any]) -> None:
 
 def section_bounds(args: argparse.Namespace, report: dict[str, Any]) -> None:
     say("\n== bounds: raw vLLM generate and plain forward/backward, same prompts and settings ...")
-    report["bounds"] = run_worker("bounds", ["--steps", str(args.steps), "--warmup", str(args.warmup)], 1800)
+    report["bounds"] = run_worker("bounds", ["--steps", str(args.steps), "--warmup", str(args.warmup),
+                                             "--set", *args.set], 1800)
 
 
 def section_scaling(args: argparse.Namespace, report: dict[str, Any]) -> None:
@@ -499,8 +506,10 @@ def print_report(report: dict[str, Any]) -> None:
         o, raw = b["ours_rollout_tokens_per_s"]["median"], b["raw_vllm_tokens_per_s"]["median"]
         plain = {k: v["median"] for k, v in b["plain_train_tokens_per_s"].items()}
         best_plain = max(plain.values())
+        raw_lp = b["raw_vllm_logprobs_tokens_per_s"]["median"]
         rows = [["rollout: our generate (same engine)", o, "", ""],
-                ["rollout: raw vLLM LLM.generate", raw, "", f"ours/raw {o / raw:.2f}"]]
+                ["rollout: raw vLLM LLM.generate", raw, "", f"ours/raw {o / raw:.2f}"],
+                ["rollout: raw vLLM, one logprob per token", raw_lp, "", f"raw+logprobs/raw {raw_lp / raw:.2f}"]]
         for k, v in plain.items():
             rows.append([f"training: plain fwd+bwd, {k} rows/pass", v, "", ""])
         if "compare" in report:
@@ -562,6 +571,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds of grpo and TRL")
     parser.add_argument("--quick", action="store_true", help="fewer steps and sizes (about 6 minutes)")
     parser.add_argument("--out", default=None, help="JSON file for every number (default runs/bench/DATE.json)")
+    parser.add_argument("--set", nargs="*", default=[], help="bounds: recipe overrides, e.g. rollout.temperature=0.7")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     parser.add_argument("--trl-vllm", action="store_true", help=argparse.SUPPRESS)

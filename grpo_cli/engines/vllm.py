@@ -82,7 +82,16 @@ def sampling_params(sampling: Sampling, seed: int) -> Any:
 
     stop = {"stop": list(sampling.stop), "include_stop_str_in_output": True} if sampling.stop else {}
     return SamplingParams(n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
-                          max_tokens=sampling.max_new_tokens, logprobs=0, seed=seed, detokenize=bool(stop), **stop)
+                          max_tokens=sampling.max_new_tokens, logprobs=0, flat_logprobs=True, seed=seed,
+                          detokenize=bool(stop), **stop)
+
+
+def sampled_logprobs(completion: Any) -> list[float]:
+    """[T] the logprob of each sampled token of a vLLM completion asked for logprobs=0 with flat_logprobs: the
+    first entry of each position (vLLM puts the sampled token first), read off flat lists, not a dict per token
+    (issue 56)."""
+    flat = completion.logprobs
+    return [flat.logprobs[i] for i in flat.start_indices]
 
 
 def in_process_engine_env() -> str | None:
@@ -197,7 +206,7 @@ class VLLMEngine(LeafEngine):
         for out in outputs:
             samples = sorted(out.outputs, key=lambda c: c.index)  # [G]
             completion_ids.append([list(c.token_ids) for c in samples])
-            logprobs.append([[lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)] for c in samples])
+            logprobs.append([sampled_logprobs(c) for c in samples])
             truncated.append([c.finish_reason == "length" for c in samples])
         flat = self.tokenizer.batch_decode([ids for group in completion_ids for ids in group],
                                            skip_special_tokens=True)  # [P*G], what vLLM's own text would be
@@ -247,9 +256,7 @@ class VLLMEngine(LeafEngine):
                     if not out.finished:
                         continue
                     c = out.outputs[0]
-                    completion = Completion(list(c.token_ids),
-                                            [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)],
-                                            c.finish_reason == "length")
+                    completion = Completion(list(c.token_ids), sampled_logprobs(c), c.finish_reason == "length")
                     if (follow := on_finish(keys.pop(out.request_id), completion)) is not None:
                         queue(follow)
                 if replies is not None and replies.waiting():  # at the point tools.pool's rule gives, never sooner

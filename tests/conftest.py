@@ -21,6 +21,9 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -267,3 +270,16 @@ def cli(capsys, monkeypatch):
         return Result(code or 0, captured.out, captured.err)
 
     return run
+
+
+def sigkill_when(proc: subprocess.Popen, root: Path, pattern: str) -> Path:
+    """SIGKILL a `grpo train` subprocess once a file matching `pattern` under `root` exists (a checkpoint's
+    checkpoint.json, written last): that file. Polls every 50 ms for up to 600 s."""
+    deadline, marker = time.time() + 600, None
+    while time.time() < deadline and proc.poll() is None and marker is None:
+        marker = next(iter(root.glob(pattern)), None)
+        time.sleep(0.05)
+    assert marker is not None, f"no {pattern} appeared under {root}"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    return marker

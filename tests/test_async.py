@@ -11,14 +11,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import sigkill_when
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -115,14 +114,7 @@ def test_a_k1_run_killed_after_its_step_2_checkpoint_resumes_bit_exactly(threade
                              "rollout.overlap=thread"], cwd=REPO, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": os.environ.get(
                                 "OMP_NUM_THREADS", str(torch.get_num_threads()))})
-    deadline, marker = time.time() + 600, None
-    while time.time() < deadline and proc.poll() is None and marker is None:
-        marker = next(iter(out.glob("bike_pricing/*/checkpoints/step_000002/checkpoint.json")), None)
-        time.sleep(0.05)
-    assert marker is not None, "no checkpoint at step 2 appeared"
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    run_dir = marker.parents[2]
+    run_dir = sigkill_when(proc, out, "bike_pricing/*/checkpoints/step_000002/checkpoint.json").parents[2]
     assert not (run_dir / "checkpoints" / "final").exists()
     cfg = dataclasses.replace(load_config("train", OVERRIDES + [f"output_dir={out}", "rollout.overlap=thread"]),
                               resume=str(run_dir))

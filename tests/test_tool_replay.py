@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from conftest import sigkill_when
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -60,14 +59,7 @@ def test_a_tool_of_random_latency_replays_bit_for_bit_after_sigkill_and_resume(t
 
     proc = subprocess.Popen(command(tmp_path, "killed"), cwd=REPO, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
-    deadline, marker = time.time() + 600, None
-    while time.time() < deadline and proc.poll() is None and marker is None:
-        marker = next(iter((tmp_path / "killed").glob("*/*/checkpoints/step_000001/checkpoint.json")), None)
-        time.sleep(0.05)
-    assert marker is not None, "no checkpoint at step 1 appeared"
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    killed_dir = marker.parents[2]
+    killed_dir = sigkill_when(proc, tmp_path / "killed", "*/*/checkpoints/step_000001/checkpoint.json").parents[2]
     assert not (killed_dir / "checkpoints" / "final").exists()
     resumed = subprocess.run(command(tmp_path, "killed", "resume=auto"), cwd=REPO, env=env, capture_output=True,
                              text=True, timeout=600)

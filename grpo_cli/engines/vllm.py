@@ -222,8 +222,9 @@ class VLLMEngine(LeafEngine):
         finishes; what `on_finish` returns, and what `replies` gives back after an engine step (a trajectory
         whose tool call ran on the pool, its reply appended, at the step tools.pool's rule gives), joins the
         running batch at the next engine step. So no request waits for the slowest of a batch, decoding goes on
-        while tools run, and the engine steps until nothing runs and nothing is waiting. The multi-turn tool loop's turns (engines.tools). A failure
-        half-way aborts the requests still in the engine, so the next generate starts from an empty one."""
+        while tools run, and the engine steps until nothing runs and nothing is waiting. The multi-turn tool
+        loop's turns (engines.tools). A failure half-way aborts the requests still in the engine, so the next
+        generate starts from an empty one."""
         from vllm.sampling_params import RequestOutputKind
 
         engine, keys = self.llm.llm_engine, {}  # request id -> its key, for the requests in the engine

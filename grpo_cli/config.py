@@ -144,6 +144,7 @@ class RolloutConfig:
     enforce_eager: bool = False  # vLLM without torch.compile or graph capture: starts in seconds, generates slower (docs/design.md)
     gpu_memory_utilization: float | None = None  # GPU: None = vLLM reserves its weights + kv_cache_gib + a workspace, checked against free memory at its start; a fraction = vLLM's share of the whole device, from which it sizes the KV cache itself
     push_check_every: int = 10  # every N steps compare vLLM logprobs (and, at the first step too, a few tensors exactly) with the trainer's after a push; 0 = never
+    mismatch_groups: int = 1  # groups a step (the first prompts' of each sampling round) whose samples bring the engine's sampling logprobs back for the train/inference mismatch metric, when no trainer.mismatch_correction reads them (then every group's do); -1 = every group, 0 = none (no metric). vLLM's logprobs cost ~9% of its throughput here (docs/benchmarks.md)
     push_check_tol: float = 1e-3  # max mean |logprob difference| before the run stops with a stale-weights error (>= 0.02 in bf16/fp16)
     sleep_mode: str = "auto"  # vLLM sleep mode: "auto" (on when vLLM shares a CUDA device with the trainer) | "on" | "off"
     sleep_level: int = 1  # 1: vLLM's weights go to host memory and its KV cache is dropped while the trainer steps; 2: both dropped
@@ -189,6 +190,7 @@ class RolloutConfig:
         _require(1 <= self.max_sampling_rounds <= 63, "rollout.max_sampling_rounds",
                  "must be in 1..63 (each round samples from seeds of its own)")
         _require(self.max_staleness >= 0, "rollout.max_staleness", "must be >= 0 (0 = on-policy)")
+        _require(self.mismatch_groups >= -1, "rollout.mismatch_groups", "must be >= -1 (-1 = every group, 0 = none)")
         _require(self.placement in ("colocated", "split"), "rollout.placement",
                  f"'{self.placement}' is not one of colocated, split")
         _require(self.placement == "colocated" or (self.engine == "vllm" and self.tensor_parallel_size == 1),

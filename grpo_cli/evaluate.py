@@ -44,7 +44,7 @@ from typing import Any
 from grpo_cli import data, runs
 from grpo_cli.checkpoint import adapter_rank, checkpoint_weights, load_tokenizer
 from grpo_cli.config import EvalCommandConfig, ModelConfig
-from grpo_cli.engines.base import Sampling
+from grpo_cli.engines.base import NO_LOGPROBS, Sampling
 from grpo_cli.engines.tools import with_tools
 from grpo_cli.engines.vllm import VLLMEngine
 from grpo_cli.errors import UsageError
@@ -182,7 +182,8 @@ def evaluate_targets(cfg: EvalCommandConfig, targets: list[runs.Target], rows: l
                                                            add_special_tokens=False)["input_ids"],
                                reward_fns, cfg.data)
     k = cfg.eval.samples_per_problem
-    sampling = Sampling(k, cfg.eval.temperature, cfg.rollout.top_p, cfg.rollout.max_new_tokens)
+    sampling = Sampling(k, cfg.eval.temperature, cfg.rollout.top_p, cfg.rollout.max_new_tokens,
+                        logprob_seeds=NO_LOGPROBS)  # evaluation reads no sampling logprobs
     seeds = sample_seeds(cfg.trainer.seed, 0, len(rows), stream=1, group_size=k)  # the run's step-0 held-out seeds
     print(f"grpo eval: {cfg.task} | {len(rows)} held-out problems x {k} samples at T={cfg.eval.temperature:g} | "
           f"{len(targets)} checkpoint(s)" + (f" | recipe of run {the_run}" if the_run else ""), flush=True)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from grpo_cli.config import DataConfig
-from grpo_cli.engines.base import Engine, Rollouts, Sampling
+from grpo_cli.engines.base import NO_LOGPROBS, Engine, Rollouts, Sampling
 from grpo_cli.rewards import SampleContext, WeightedReward, correctness_name, final_answer, final_answers, score
 from grpo_cli.tools.metrics import calls_a_tool, tool_metrics
 
@@ -171,7 +171,7 @@ def add_greedy_metrics(metrics: dict[str, Any], engine: Engine, heldout: Heldout
     """Into heldout_metrics' dict: one temperature-0 completion per row scored as greedy_accuracy (overall and
     in each per_tier entry), and in a tool run greedy_call_share (the share of rows whose greedy completion
     calls a tool). `max_tokens` as in heldout_metrics."""
-    out = engine.generate(heldout.prompt_ids, Sampling(1, 0.0, 1.0, max_new_tokens), list(range(len(heldout.rows))),
+    out = engine.generate(heldout.prompt_ids, Sampling(1, 0.0, 1.0, max_new_tokens, logprob_seeds=NO_LOGPROBS), list(range(len(heldout.rows))),
                           heldout.rows)
     scored = heldout.score(out, max_new_tokens, max_tokens)
     correct = scored.per_function[correctness_name(heldout.rewards)]  # [N]

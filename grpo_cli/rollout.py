@@ -12,6 +12,7 @@ from typing import Any
 
 from grpo_cli.config import TrainConfig
 from grpo_cli.engines.base import Rollouts, Sampling
+from grpo_cli.engines.options import logprob_groups
 from grpo_cli.state import RunState
 
 # Where a step's sampling seeds lie. Training (stream 0) keeps the layout the shipped curves were sampled with:
@@ -64,5 +65,14 @@ def draw_prompts(state: RunState, cfg: TrainConfig, step: int, round_index: int 
     rows = [task.train_rows[i] for i in state.cursor.take(r_cfg.prompts_per_step, step)]
     prompt_ids = [task.encode(row) for row in rows]
     stream = 0 if round_index == 0 else round_index + 1
-    sampling = Sampling(r_cfg.group_size, r_cfg.temperature, r_cfg.top_p, r_cfg.max_new_tokens)
-    return rows, prompt_ids, sampling, sample_seeds(cfg.trainer.seed, step, len(rows), stream, r_cfg.group_size)
+    seeds = sample_seeds(cfg.trainer.seed, step, len(rows), stream, r_cfg.group_size)
+    return rows, prompt_ids, training_sampling(cfg, seeds), seeds
+
+
+def training_sampling(cfg: TrainConfig, seeds: list[int]) -> Sampling:
+    """How a training step samples its prompts (`seeds`, one each, in the step's order): the prompts whose samples
+    bring their sampling logprobs back are named by seed (`engines.options.logprob_groups`), so which ones they
+    are does not depend on how the prompts are shared between ranks."""
+    r_cfg, groups = cfg.rollout, logprob_groups(cfg)
+    asked = None if groups is None else frozenset(seeds[:groups])
+    return Sampling(r_cfg.group_size, r_cfg.temperature, r_cfg.top_p, r_cfg.max_new_tokens, logprob_seeds=asked)

@@ -27,7 +27,7 @@ from grpo_cli.collect import Groups, collect_groups
 from grpo_cli.config import TrainConfig
 from grpo_cli.console import make_console, summary_lines
 from grpo_cli.dist import COLLECTIVE_SECONDS, Dist
-from grpo_cli.engines.base import Engine, Sampling
+from grpo_cli.engines.base import NO_LOGPROBS, Engine, Sampling
 from grpo_cli.generator import is_generator_rank, serve
 from grpo_cli.heldout import add_greedy_metrics, flatten, heldout_metrics
 from grpo_cli.loggers import NullLogger, make_logger
@@ -210,7 +210,7 @@ def heldout_eval(state: RunState, cfg: TrainConfig, step: int) -> dict[str, floa
     metrics are everyone's (a reward that timed out on one rank only must not split the best-model
     decision)."""
     sampling = Sampling(cfg.eval.samples_per_problem, cfg.eval.temperature, cfg.rollout.top_p,
-                        cfg.rollout.max_new_tokens)
+                        cfg.rollout.max_new_tokens, logprob_seeds=NO_LOGPROBS)  # evaluation reads no sampling logprobs
     seeds = sample_seeds(cfg.trainer.seed, step, len(state.heldout.rows), stream=1, group_size=sampling.n)
     metrics = heldout_metrics(state.engine, state.heldout, sampling, seeds, max_tokens=cfg.rollout.trajectory_tokens)
     if cfg.eval.greedy:  # eval/greedy_accuracy (and in a tool run eval/greedy_call_share)

@@ -204,8 +204,11 @@ def minibatch_step(state: RunState, part: Minibatch, params: LossParams, cfg: Tr
         loss.backward()
         loss_total = loss_total + loss.detach().double()
         sums.add_stats(stats)
-        if first_epoch:  # train/inference mismatch: the engine's sampling logprobs vs the trainer's, same tokens
-            sums.add_mismatch(((logps.detach() - mb.sampling_logprobs).abs() * mb.mask).sum(), mb.mask.sum())
+        if first_epoch:  # train/inference mismatch: the engine's sampling logprobs vs the trainer's, same tokens, on
+            # the samples that brought them back (the others' are NaN: rollout.training_sampling)
+            known = mb.mask.bool() & ~mb.sampling_logprobs.isnan()  # [b, Tc]
+            diff = torch.where(known, logps.detach() - mb.sampling_logprobs, 0.0).abs()  # [b, Tc]
+            sums.add_mismatch(diff.sum(), known.sum())
     passes.prompt_backward(prompts, leaves)  # the prompts' share of the gradient
     reshard_all(policy)  # FSDP (world size > 1): sharded parameters and gradients for the clip and the step
     norm = grad_norm_tensor(torch.nn.utils.clip_grad_norm_(policy.parameters(), t_cfg.max_grad_norm))
@@ -249,4 +252,4 @@ def update(state: RunState, batch: TrainBatch, params: LossParams, cfg: TrainCon
     means = {key: value / max(tokens, 1.0) for key, value in sums.items()}
     return {"loss": sum(losses) / len(losses) if losses else 0.0, **means,
             "grad_norm": sum(norms) / len(norms) if norms else None,
-            "skipped_nonfinite": skipped, "mismatch/mean_abs_logprob": mismatch_sum / max(mismatch_tokens, 1)}
+            "skipped_nonfinite": skipped, "mismatch/mean_abs_logprob": mismatch_sum / mismatch_tokens if mismatch_tokens else None}

@@ -16,7 +16,9 @@ shares the CPU with it and no engine outlives its measurement):
   step-1..3 correctness reward of each must match the base model's accuracy on the
   same prompts, measured with vLLM in the bounds section.
 - bounds: raw vLLM `generate` on the same prompts and sampling settings (the bound of
-  our rollout phase) and a plain transformers forward+backward over a batch of the
+  our rollout phase; also asked for one logprob per token, what vLLM charges for them),
+  our rollouts as the run samples them and with every sample's logprobs (as a mismatch
+  correction needs), and a plain transformers forward+backward over a batch of the
   same kind (the bound of our training phase); our phase split and each phase's ratio
   to its bound.
 - scaling: `grpo train` steps as group_size goes 4..32 and max_new_tokens 32..128.
@@ -224,9 +226,8 @@ def worker_bounds(args: argparse.Namespace) -> dict[str, Any]:
 
     from grpo_cli import rewards
     from grpo_cli.checkpoint import resolve_model_path
-    from grpo_cli.engines.base import Sampling
     from grpo_cli.engines.vllm import VLLMEngine
-    from grpo_cli.rollout import sample_seeds
+    from grpo_cli.rollout import sample_seeds, training_sampling
 
     torch.set_num_threads(threads)
     cfg = load_recipe(args.set)
@@ -245,18 +246,20 @@ def worker_bounds(args: argparse.Namespace) -> dict[str, Any]:
                                  logprobs=logprobs) for s in seeds]
         return engine.llm.generate([{"prompt_token_ids": ids} for ids in batch], params, use_tqdm=False)
 
-    tps: dict[str, list[float]] = {"ours": [], "raw": [], "raw_logprobs": []}
+    names = ["ours", "ours_every_logprob", "raw", "raw_logprobs"]
+    tps: dict[str, list[float]] = {name: [] for name in names}
     correct, last = [], None
     for k in range(steps):
         batch = prompt_ids[k * P:(k + 1) * P]
         seeds = sample_seeds(cfg.trainer.seed, k + 1, P, group_size=G)
         tokens: dict[str, int] = {}
-        names = ["ours", "raw", "raw_logprobs"]
-        for name in names[k % 3:] + names[:k % 3]:  # rotate who goes first
+        for name in names[k % len(names):] + names[:k % len(names)]:  # rotate who goes first
             engine.llm.reset_prefix_cache()  # none reuses another's prompt KV blocks
             tick = time.perf_counter()
-            if name == "ours":
-                ours = engine.generate(batch, Sampling(G, r.temperature, r.top_p, r.max_new_tokens), seeds)
+            if name.startswith("ours"):  # the run's own sampling (logprobs for rollout.mismatch_groups), or all
+                sampling = training_sampling(cfg, seeds)
+                ours = engine.generate(batch, sampling if name == "ours" else sampling._replace(logprob_seeds=None),
+                                       seeds)
                 tokens[name] = ours.num_tokens
             else:
                 outs = raw(batch, seeds, 0 if name == "raw_logprobs" else None)
@@ -300,6 +303,7 @@ def worker_bounds(args: argparse.Namespace) -> dict[str, Any]:
         plain[str(rows_per_pass)] = spread([tokens / plain_step(rows_per_pass) for _ in range(5)])
     return {
         "ours_rollout_tokens_per_s": spread(tps["ours"]),
+        "ours_every_logprob_tokens_per_s": spread(tps["ours_every_logprob"]),
         "raw_vllm_tokens_per_s": spread(tps["raw"]),
         "raw_vllm_logprobs_tokens_per_s": spread(tps["raw_logprobs"]),
         "overrides": args.set,
@@ -507,7 +511,10 @@ def print_report(report: dict[str, Any]) -> None:
         plain = {k: v["median"] for k, v in b["plain_train_tokens_per_s"].items()}
         best_plain = max(plain.values())
         raw_lp = b["raw_vllm_logprobs_tokens_per_s"]["median"]
-        rows = [["rollout: our generate (same engine)", o, "", ""],
+        every = b["ours_every_logprob_tokens_per_s"]["median"]
+        rows = [["rollout: our generate (same engine, the run's logprobs)", o, "", ""],
+                ["rollout: ours, every sample's logprobs (a mismatch correction)", every, "",
+                 f"every/raw {every / raw:.2f}"],
                 ["rollout: raw vLLM LLM.generate", raw, "", f"ours/raw {o / raw:.2f}"],
                 ["rollout: raw vLLM, one logprob per token", raw_lp, "", f"raw+logprobs/raw {raw_lp / raw:.2f}"]]
         for k, v in plain.items():

@@ -93,3 +93,19 @@ def test_mismatch_correction_auto_is_tis_exactly_when_samples_are_stale(stalenes
     cfg = TrainConfig(task="t", rewards=[RewardSpec(name="correct")], rollout=RolloutConfig(max_staleness=staleness),
                       trainer=TrainerConfig(mismatch_correction=asked))
     assert cfg.trainer.mismatch_correction == runs
+
+
+@pytest.mark.parametrize(("groups", "correction", "asked"), [(1, "none", [11]), (2, "none", [11, 12]), (0, "none", []),
+                                                             (-1, "none", None), (1, "tis", None), (0, "seq_mask", None)])
+def test_the_sampling_logprobs_come_back_for_every_group_a_correction_reads_and_for_the_first_groups_else(
+        groups, correction, asked):
+    """rollout.mismatch_groups picks the first groups of a step, by seed (which a rank's share keeps), when only the
+    mismatch metric reads the engine's logprobs; a correction reads every group's."""
+    from grpo_cli.rollout import training_sampling
+
+    cfg = TrainConfig(task="t", rewards=[RewardSpec(name="correct")], rollout=RolloutConfig(mismatch_groups=groups),
+                      trainer=TrainerConfig(mismatch_correction=correction))
+    sampling = training_sampling(cfg, [11, 12, 13])
+    assert sampling.logprob_seeds == (None if asked is None else frozenset(asked))
+    with pytest.raises(ConfigError, match="rollout.mismatch_groups"):
+        RolloutConfig(mismatch_groups=-2)

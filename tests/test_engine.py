@@ -178,6 +178,34 @@ def test_sampling_logprobs_are_of_the_distribution_sampled_from_at_any_temperatu
     assert at_one < 1e-3 and at_cool < max(2 * at_one, 1e-4), (at_one, at_cool)
 
 
+def test_vllm_returns_sampling_logprobs_only_for_the_prompts_asked_and_samples_the_same_tokens(vllm_engine, shipped):
+    """Sampling.logprob_seeds names the prompts whose samples bring their logprobs back: theirs are the numbers
+    an all-prompts call gives, the others' are NaN, and no token changes (a run's samples do not depend on
+    rollout.mismatch_groups); evaluation's empty set asks for none."""
+    import math
+
+    from grpo_cli.engines.base import NO_LOGPROBS, Sampling
+    from grpo_cli.prompts import render_plain
+    from grpo_cli.rollout import sample_seeds
+
+    _, _, tokenizer = shipped
+    prompts = [tokenizer(render_plain(q), add_special_tokens=False)["input_ids"] for q in (
+        "A city bike costs 10 per day and Ana keeps it for 3 days. How much does Ana pay in total?",
+        "An e-bike costs 18 per day for 4 days with a 10% discount. What is the total price?",
+        "A tandem costs 25 per day for 2 days. What is the total price?")]
+    seeds = sample_seeds(0, 5, len(prompts), group_size=4)
+    every = vllm_engine.generate(prompts, Sampling(4, 1.0, 1.0, 40), seeds)
+    some = vllm_engine.generate(prompts, Sampling(4, 1.0, 1.0, 40, logprob_seeds=frozenset([seeds[1]])), seeds)
+    none = vllm_engine.generate(prompts, Sampling(4, 1.0, 1.0, 40, logprob_seeds=NO_LOGPROBS), seeds)
+    assert every.completion_ids == some.completion_ids == none.completion_ids
+    assert some.sampling_logprobs[1] == every.sampling_logprobs[1]
+    assert all(not any(math.isnan(x) for lps in group for x in lps) for group in every.sampling_logprobs)
+    for group, ids in ((p, every.completion_ids[p]) for p in (0, 2)):
+        assert [len(lps) for lps in some.sampling_logprobs[group]] == [len(c) for c in ids]
+        assert all(math.isnan(x) for lps in some.sampling_logprobs[group] for x in lps)
+    assert all(math.isnan(x) for group in none.sampling_logprobs for lps in group for x in lps)
+
+
 def test_temperature_zero_is_greedy_on_both_engines(vllm_engine, shipped):
     """Sampling(temperature=0) is greedy decoding: the transformers engine (whose generate refuses temperature
     0) writes the same tokens as vLLM, whatever the seeds."""

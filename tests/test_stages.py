@@ -254,6 +254,36 @@ def sgd_update(groups, cfg):
     return {k: v.detach().clone() for k, v in policy.state_dict().items()}, batch
 
 
+def test_the_mismatch_metric_reads_only_the_samples_that_brought_their_logprobs_back():
+    """Samples sampled without logprobs carry NaN (rollout.mismatch_groups): the metric is the mean over the others'
+    tokens (as if only they were in the batch), None when no sample has any, and the update is the same bits."""
+    import math
+
+    from grpo_cli.update import fill_logprobs, loss_params, update
+
+    def run(groups):
+        cfg = loop_cfg(3, micro_batch_size=64)
+        policy = tiny_policy()
+        optimizer = torch.optim.SGD(policy.parameters(), lr=cfg.trainer.lr)
+        params = loss_params(cfg)
+        batch = TrainBatch.build(groups, 0, cfg.trainer, Dist(), params)
+        state = stage_state(policy=policy, optimizer=optimizer,
+                            scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0))
+        fill_logprobs(state, batch, groups, cfg)
+        stats = update(state, batch, params, cfg)
+        return {k: v.detach().clone() for k, v in policy.state_dict().items()}, stats["mismatch/mean_abs_logprob"]
+
+    known, part, unknown, alone = (synthetic_groups() for _ in range(4))
+    for groups, asked in ((part, {0}), (unknown, set())):
+        groups.rollouts.sampling_logprobs = [[lps if p in asked else [math.nan] * len(lps) for lps in group]
+                                             for p, group in enumerate(groups.rollouts.sampling_logprobs)]
+    alone.keep = torch.tensor([True, False, False])  # group 0 alone in the batch
+    (w_known, m_known), (w_part, m_part), (w_unknown, m_unknown) = run(known), run(part), run(unknown)
+    assert m_part == pytest.approx(run(alone)[1], rel=1e-5) and m_part != pytest.approx(m_known, rel=1e-3)
+    assert m_unknown is None and math.isfinite(m_known)
+    assert all(w_known[k].equal(w_part[k]) and w_known[k].equal(w_unknown[k]) for k in w_known)
+
+
 def test_seq_mask_rejection_is_the_update_without_the_rejected_samples():
     """A sample rejected by trainer.mismatch_correction=seq_mask leaves the loss and the normalizer: the
     update equals the one where those samples never entered the batch."""

@@ -10,6 +10,7 @@ what it can do; `tests/test_layout.py` checks that no engine misses a method.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Collection, Hashable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -86,13 +87,30 @@ class Sampling(NamedTuple):
     """How the engine samples: `n` completions per prompt at `temperature` and `top_p`, each at most
     `max_new_tokens` long. Temperature 0 is greedy. `stop`: strings that end a completion (a tool's
     close tag), kept in it; the vLLM engine stops there, the transformers engine's output is cut
-    there by the caller (engines.tools.cut_at_stop)."""
+    there by the caller (engines.tools.cut_at_stop). `logprob_seeds`: the prompts, named by their seed, whose
+    samples come back with their sampling logprobs (None: every prompt's); an engine may return the others' as
+    NaN, which costs vLLM nothing (`wants_logprobs`; the run's rule is rollout.logprob_seeds)."""
 
     n: int
     temperature: float
     top_p: float
     max_new_tokens: int
     stop: tuple[str, ...] = ()
+    logprob_seeds: frozenset[int] | None = None
+
+
+NO_LOGPROBS: frozenset[int] = frozenset()  # Sampling.logprob_seeds of a call that reads no sampling logprobs (evaluation)
+
+
+def wants_logprobs(sampling: Sampling, seed: int) -> bool:
+    """Whether the samples of the prompt sampled from `seed` must come back with their sampling logprobs."""
+    return sampling.logprob_seeds is None or seed in sampling.logprob_seeds
+
+
+def unknown_logprobs(length: int) -> list[float]:
+    """[T] the sampling logprobs of a sample whose engine was not asked for them: NaN, so that nothing can read
+    them as numbers unnoticed (the mismatch metric skips them: update.minibatch_step)."""
+    return [math.nan] * length
 
 
 class Request(NamedTuple):

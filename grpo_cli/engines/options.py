@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from grpo_cli.config import ModelConfig, RolloutConfig
+from grpo_cli.config import ModelConfig, RolloutConfig, TrainConfig
 from grpo_cli.errors import UsageError
 
 if TYPE_CHECKING:
@@ -87,6 +87,15 @@ def prefill_waves(prompt_lens: list[int], n: int, token_budget: int, seq_budget:
         tokens, seqs = tokens + cost, seqs + n
     return [w for w in waves if w]
 
+
+
+def logprob_groups(cfg: TrainConfig) -> int | None:
+    """How many groups of a sampling round (the first prompts') bring the engine's sampling logprobs back: None,
+    every group, when a trainer.mismatch_correction reads them; else rollout.mismatch_groups (-1: every group),
+    which only the train/inference mismatch metric reads. The samples are the same either way, and vLLM's
+    logprobs cost ~9% of its generate throughput here (docs/benchmarks.md)."""
+    groups = cfg.rollout.mismatch_groups
+    return None if cfg.trainer.mismatch_correction != "none" or groups < 0 else groups
 
 
 def sleep_wanted(rollout: RolloutConfig, trainer_device: torch.device | str) -> bool:

@@ -36,7 +36,16 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from grpo_cli.config import RolloutConfig
-from grpo_cli.engines.base import Completion, DelegatingEngine, Engine, Request, Rollouts, Sampling
+from grpo_cli.engines.base import (
+    NO_LOGPROBS,
+    Completion,
+    DelegatingEngine,
+    Engine,
+    Request,
+    Rollouts,
+    Sampling,
+    wants_logprobs,
+)
 from grpo_cli.tools.chat import ChatFormat
 from grpo_cli.tools.environment import EnvironmentEnd
 from grpo_cli.tools.load import LoadedTool, environment_of
@@ -222,7 +231,9 @@ class ToolEngine(DelegatingEngine):
             t = trajectories[p][g]
             seed = seeds[p] + g if t.engine_calls == 0 else call_seed(seeds[p], g, t.engine_calls)
             t.engine_calls += 1
-            return Request((p, g), prompt_ids[p] + t.ids, turn._replace(n=1, max_new_tokens=self._room(t, cap)), seed)
+            asked = None if wants_logprobs(turn, seeds[p]) else NO_LOGPROBS  # by the group's seed, not this turn's
+            return Request((p, g), prompt_ids[p] + t.ids,
+                           turn._replace(n=1, max_new_tokens=self._room(t, cap), logprob_seeds=asked), seed)
 
         def submit(key: tuple[int, int], t: Trajectory) -> None:  # the next of its turn's calls, on the pool
             found = t.pending_calls[len(t.call_results)]

@@ -23,7 +23,16 @@ from pathlib import Path
 from typing import Any
 
 from grpo_cli.config import ModelConfig, RolloutConfig
-from grpo_cli.engines.base import Completion, LeafEngine, Replies, Request, Rollouts, Sampling
+from grpo_cli.engines.base import (
+    Completion,
+    LeafEngine,
+    Replies,
+    Request,
+    Rollouts,
+    Sampling,
+    unknown_logprobs,
+    wants_logprobs,
+)
 from grpo_cli.engines.options import (
     CPU_MAX_BATCHED_TOKENS,
     CPU_MAX_SEQS,
@@ -77,20 +86,23 @@ def sampling_params(sampling: Sampling, seed: int) -> Any:
     """vLLM's SamplingParams for `sampling` from `seed`. detokenize=False unless there are stop strings: with it
     on, vLLM also decodes the token of every sampled logprob, step by step; the texts are decoded once at the
     end instead, in one batch (docs/benchmarks.md). Stop strings need vLLM's detokenizer, so a tool run's
-    turns pay for it."""
+    turns pay for it. One logprob per token (the sampled one, off vLLM's flat lists) only where
+    `wants_logprobs`: vLLM's logprob path costs about 9% of its generate throughput here (docs/benchmarks.md)."""
     from vllm import SamplingParams
 
     stop = {"stop": list(sampling.stop), "include_stop_str_in_output": True} if sampling.stop else {}
+    logprobs = {"logprobs": 0, "flat_logprobs": True} if wants_logprobs(sampling, seed) else {}
     return SamplingParams(n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
-                          max_tokens=sampling.max_new_tokens, logprobs=0, flat_logprobs=True, seed=seed,
-                          detokenize=bool(stop), **stop)
+                          max_tokens=sampling.max_new_tokens, seed=seed, detokenize=bool(stop), **stop, **logprobs)
 
 
 def sampled_logprobs(completion: Any) -> list[float]:
-    """[T] the logprob of each sampled token of a vLLM completion asked for logprobs=0 with flat_logprobs: the
-    first entry of each position (vLLM puts the sampled token first), read off flat lists, not a dict per token
-    (issue 56)."""
+    """[T] the logprob of each sampled token of a vLLM completion: with logprobs=0 and flat_logprobs, the first
+    entry of each position (vLLM puts the sampled token first), read off flat lists, not a dict per token;
+    NaN when none were asked for (`unknown_logprobs`)."""
     flat = completion.logprobs
+    if flat is None:
+        return unknown_logprobs(len(completion.token_ids))
     return [flat.logprobs[i] for i in flat.start_indices]
 
 

@@ -81,6 +81,7 @@ class MicroBatch:
     sampling_logprobs: torch.Tensor  # [b, Tc] the rollout engine's logprob of each sampled token (0 on padding)
     ref_logprobs: torch.Tensor | None = None  # [b, Tc] the frozen reference's, filled in by update.fill_logprobs
     old_logprobs: torch.Tensor | None = None  # [b, Tc] the policy's before the first update (only when the ratio can move)
+    teacher_logprobs: torch.Tensor | None = None  # [b, Tc] a distillation teacher's (distill.teacher), by fill_logprobs
     attention_mask: torch.Tensor | None = None  # [b, Tc] 1 on every real token, tool replies too; None = `mask`
 
     @property

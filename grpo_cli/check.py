@@ -362,6 +362,22 @@ def warnings(cfg: TrainConfig) -> list[str]:
     return out
 
 
+def teacher_line(cfg: TrainConfig, world_size: int) -> str:
+    """distill.teacher: the objective, and the teacher's memory on each trainer rank, held through the run beside the
+    policy (frozen, in model.dtype, sharded like the reference; the estimates above leave it out)."""
+    d, gib = cfg.distill, 2**30
+    what = (f"distill: {d.objective}, coef {d.coef:g}: each sampled token's advantage "
+            + ("is" if d.objective == "distill" else "adds") + " -coef x (student - teacher logprob)")
+    shape = model_shape(d.teacher)
+    if shape is None:
+        return f"{what}; teacher {d.teacher} is not a local model directory: no memory estimate"
+    params, layer = parameter_count(shape), layer_parameter_count(shape)
+    gathered = 0 if world_size == 1 else params - shape["num_hidden_layers"] * layer + 2 * layer
+    held = (params / world_size + gathered) * DTYPE_BYTES[cfg.model.dtype]
+    return (f"{what}; teacher {d.teacher}: {params / 1e6:.1f}M parameters, {held / gib:.3f} GiB per rank in "
+            f"{cfg.model.dtype} (frozen, on the trainer's device, on top of the estimates above)")
+
+
 def run_check(cfg: TrainConfig, run_dir: Any) -> int:
     world_size = max(cfg.dist.world_size, int(os.environ.get("WORLD_SIZE", "1")))  # dist.* or plain torchrun
     print(f"grpo check: {cfg.task} | model {cfg.model.name_or_path} | {cfg.trainer.steps} steps")
@@ -371,6 +387,8 @@ def run_check(cfg: TrainConfig, run_dir: Any) -> int:
     lines = batch_lines(cfg, trainers) + memory_lines(cfg, shape, trainers) + gpu_lines(cfg, shape, trainers)
     if split:
         lines.append(placement_line(cfg, shape))
+    if cfg.distill.teacher:
+        lines.append(teacher_line(cfg, trainers))
     lines.append(correctness_line(cfg))
     for line in lines:
         print(f"  {line}")

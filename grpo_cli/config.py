@@ -21,12 +21,14 @@ BUILTIN_MODEL = "builtin:bike_base"  # the small model shipped inside the packag
 
 
 # Names of the loss axes' tables in grpo_cli/grpo.py (LOSSES, POLICY_TERMS, KL_ESTIMATORS, ADVANTAGES,
-# CORRECTIONS), spelled out so validation imports no torch; tests/test_config.py ties each to its table.
+# CORRECTIONS, OBJECTIVES), spelled out so validation imports no torch; tests/test_loss_variants.py ties each to
+# its table.
 LOSS_NAMES = ("grpo", "token_mean", "dr_grpo")
 POLICY_LOSS_NAMES = ("ppo_clip", "gspo")
 KL_ESTIMATOR_NAMES = ("k1", "k2", "k3")
 ADVANTAGE_NAMES = ("group_std", "group_mean", "batch_std", "reinforce_pp_baseline", "rloo")
 CORRECTION_NAMES = ("none", "tis", "seq_mask")
+OBJECTIVE_NAMES = ("grpo", "distill", "grpo+distill")
 
 
 class ConfigError(ValueError):
@@ -328,6 +330,25 @@ class TrainerConfig:
 
 
 @dataclass
+class DistillConfig:
+    """On-policy distillation (docs/distillation.md): a frozen teacher scores each token the student sampled."""
+
+    teacher: str | None = None  # the teacher: a causal LM with the student's tokenizer (local dir, hub id or builtin:NAME); None = no distillation
+    objective: str = "grpo+distill"  # with a teacher: "distill" (a token's advantage is -coef x (its student - teacher logprob); rewards logged, not trained on) | "grpo+distill" (the group advantage plus that)
+    coef: float = 1.0  # weight of the per-token reverse KL in the advantage
+
+    def __post_init__(self) -> None:
+        _require(self.objective in OBJECTIVE_NAMES[1:], "distill.objective",
+                 f"'{self.objective}' is not one of {', '.join(OBJECTIVE_NAMES[1:])}")
+        _require(self.coef > 0, "distill.coef", "must be > 0")
+
+    @property
+    def loss_objective(self) -> str:
+        """The name in grpo.OBJECTIVES the loss uses: plain GRPO without a teacher."""
+        return self.objective if self.teacher else "grpo"
+
+
+@dataclass
 class EvalConfig:
     every: int = 10  # held-out evaluation every N steps (and at the end); 0 = only at the end
     num_problems: int = 200  # held-out problems used (<= data.num_heldout)
@@ -399,6 +420,7 @@ class TrainConfig:
     rewards: list[RewardSpec] = field(default_factory=list)  # reward functions, summed with their weights
     rollout: RolloutConfig = field(default_factory=RolloutConfig)  # sampling groups of completions
     trainer: TrainerConfig = field(default_factory=TrainerConfig)  # the GRPO update
+    distill: DistillConfig = field(default_factory=DistillConfig)  # a teacher that grades each sampled token (on-policy distillation)
     eval: EvalConfig = field(default_factory=EvalConfig)  # held-out evaluation during training
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # what is saved and when
     logging: LoggingConfig = field(default_factory=LoggingConfig)  # console, metrics files, wandb
@@ -422,6 +444,10 @@ class TrainConfig:
         _require(not (self.rollout.max_staleness and self.trainer.offload_optimizer), "trainer.offload_optimizer",
                  "moves AdamW's state out while the engine samples, which with rollout.max_staleness > 0 is while "
                  "the trainer steps; turn one of them off")
+        _require(self.distill.loss_objective != "distill" or not (self.trainer.filter_zero_variance
+                                                                  or self.rollout.dynamic_sampling),
+                 "distill.objective", "distill trains on every group, whatever its rewards: trainer.filter_zero_variance "
+                 "and rollout.dynamic_sampling would drop groups a teacher still grades; turn them off (or use grpo+distill)")
         _require(self.trainer.minibatches <= self.rollout.prompts_per_step, "trainer.minibatches",
                  f"{self.trainer.minibatches} exceeds rollout.prompts_per_step={self.rollout.prompts_per_step}: "
                  "minibatches split the step's groups")

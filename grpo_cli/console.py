@@ -124,8 +124,12 @@ class PlainConsole:
                              + (f"/{_f(m['eval/greedy_call_share'], '.2f')}" if "eval/greedy_call_share" in m else ""))
             parts.append(f"held-out pass@1 {_f(m['eval/pass@1'])}" + (f" ({', '.join(extra)})" if extra else "")
                          + (" (baseline)" if step == 0 else ""))
+        if "eval/teacher_pass@1" in m:  # distill.teacher's, once at the start: what the student climbs towards
+            parts.append(f"teacher's held-out pass@1 {_f(m['eval/teacher_pass@1'])}")
         if "kl" in m:
             parts.append(f"kl {_f(m['kl'], '.4f')} clip {_f(m.get('clip_frac'), '.3f')}")
+        if "distill/reverse_kl" in m:  # on-policy distillation: the student's reverse KL to the teacher, per token
+            parts.append(f"teacher kl {_f(m['distill/reverse_kl'], '.4f')}/tok {_f(m.get('distill/reverse_kl_per_seq'), '.2f')}/seq")
         if "completion_len/mean" in m:
             parts.append(f"len {_f(m['completion_len/mean'], '.1f')}/{_f(m.get('completion_len/max'), '.0f')} "
                          f"trunc {_f(m.get('truncation_rate'), '.2f')}")
@@ -230,6 +234,8 @@ class LiveConsole:
             [("reward", val("reward/mean")), ("held-out pass@1", evaluated)],
             [(f"  {name}", _f(v)) for name, v in reward_functions(m).items()],
             [("KL", val("kl", ".4f")), ("clip frac", val("clip_frac"))],
+            [("teacher KL / token", val("distill/reverse_kl", ".4f")),
+             ("teacher KL / sample", val("distill/reverse_kl_per_seq", ".2f"))] if "distill/reverse_kl" in m else [],
             [("length mean / max", f"{val('completion_len/mean', '.1f')} / {val('completion_len/max', '.0f')}"),
              ("truncated", val("truncation_rate", ".1%"))],
             [("tool calls / sample", val("tools/calls_per_sample", ".2f")),

@@ -180,6 +180,7 @@ KL_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] =
 #   POLICY_TERMS   the ratio and its clipped objective per token (ppo_clip, gspo), with an optional dual clip
 #   KL_ESTIMATORS  the per-token KL to the reference (k1, k2, k3)
 #   CORRECTIONS    weights for the gap between the rollout engine and the trainer (none, tis, seq_mask)
+#   OBJECTIVES     a token's advantage: the group's, a teacher's per-token grade, or both (grpo, distill, grpo+distill)
 #   LOSSES         how per-token terms become one number (grpo, token_mean, dr_grpo), with NORMALIZERS
 # `_per_token_terms` looks each one up by the name in `LossParams`; nothing branches on combinations.
 
@@ -197,6 +198,7 @@ class LossInputs(NamedTuple):
     normalizer: float | None = None  # what the summed loss is divided by: the FULL batch's NORMALIZERS[name]
     #   when this is a micro-batch; None = this batch's own
     entropy: torch.Tensor | None = None  # [b, T] the policy's token entropy (from the same chunked logits)
+    teacher_logprobs: torch.Tensor | None = None  # [b, T] a distillation teacher's (OBJECTIVES other than grpo)
 
 
 class LossParams(NamedTuple):
@@ -214,6 +216,8 @@ class LossParams(NamedTuple):
     seq_mask_high: float = 2.0  # ...or rises above this
     entropy_coef: float = 0.0  # weight of an entropy bonus (needs LossInputs.entropy when > 0)
     max_new_tokens: int | None = None  # dr_grpo: the constant each sequence's token sum is divided by (required there)
+    objective: str = "grpo"  # OBJECTIVES: grpo | distill | grpo+distill
+    distill_coef: float = 1.0  # distill, grpo+distill: weight of the per-token reverse KL to the teacher
 
 
 DEFAULT_PARAMS = LossParams()  # symmetric clip at 0.2, no KL
@@ -300,6 +304,32 @@ def seq_mask_correction(old, sampling, mask, params):
 CORRECTIONS = {"none": no_correction, "tis": tis_correction, "seq_mask": seq_mask_correction}
 
 
+# -- objectives: (group advantages [B, 1], reverse KL to the teacher [B, T] or None, params) -> advantages [B, 1 or T].
+# On-policy distillation (Agarwal et al. 2024, "On-Policy Distillation of Language Models"; Thinking Machines,
+# "On-Policy Distillation", 2025): the student samples, a frozen teacher scores each sampled token, and the
+# token's advantage is minus the reverse KL's per-token sample, -(log pi_student(x_t) - log pi_teacher(x_t)),
+# taken under the policy that sampled (no gradient through it) and not discounted.
+
+
+def grpo_objective(adv: torch.Tensor, reverse_kl: torch.Tensor | None, params: LossParams) -> torch.Tensor:
+    """GRPO alone: every token of a sample shares its group-relative advantage."""
+    return adv  # [B, 1]
+
+
+def distill_objective(adv: torch.Tensor, reverse_kl: torch.Tensor | None, params: LossParams) -> torch.Tensor:
+    """Pure distillation: `A_t = -coef * (log pi_student(x_t) - log pi_teacher(x_t))`; the rewards do not train."""
+    return -params.distill_coef * reverse_kl  # [B, T]
+
+
+def grpo_distill_objective(adv: torch.Tensor, reverse_kl: torch.Tensor | None, params: LossParams) -> torch.Tensor:
+    """GRPO + distillation: the group advantage plus the teacher's per-token one, `A_i - coef * KL_t`."""
+    return adv - params.distill_coef * reverse_kl  # [B, T]
+
+
+# distill.objective picks one by name (plain grpo without a teacher).
+OBJECTIVES = {"grpo": grpo_objective, "distill": distill_objective, "grpo+distill": grpo_distill_objective}
+
+
 def _per_token_terms(batch: LossInputs, params: LossParams):
     """Shared by every aggregation: the per-token loss, the mask of the tokens in the loss, and the
     statistics of one (micro-)batch.
@@ -313,7 +343,10 @@ def _per_token_terms(batch: LossInputs, params: LossParams):
         raise ValueError(f"kl_coef={kl_coef} needs ref_logprobs; pass them or set kl_coef=0")
     completion = batch.mask.bool()  # [B, T]
     old = logprobs.detach() if batch.old_logprobs is None else batch.old_logprobs  # [B, T]
-    adv = batch.advantages.reshape(-1, 1).to(logprobs.dtype)  # [B, 1]
+    reverse_kl = None if batch.teacher_logprobs is None else old - batch.teacher_logprobs  # [B, T] under the sampler
+    if params.objective != "grpo" and reverse_kl is None:
+        raise ValueError(f"objective={params.objective} needs teacher_logprobs")
+    adv = OBJECTIVES[params.objective](batch.advantages.reshape(-1, 1).to(logprobs.dtype), reverse_kl, params)  # [B, 1|T]
     ratio, objective, is_clipped = POLICY_TERMS[params.policy_loss](logprobs, old, adv, completion, params)  # [B, T] x 3
     if params.clip_ratio_c is not None:
         objective = dual_clip(objective, ratio, adv, params.clip_ratio_c)  # [B, T]
@@ -339,6 +372,8 @@ def _per_token_terms(batch: LossInputs, params: LossParams):
         names, terms = names + ["correction/weight"], terms + [weight]
     if kept is not None:
         names, terms = names + ["correction/masked_frac"], terms + [(~kept).to(kl.dtype).expand_as(kl)]
+    if reverse_kl is not None:
+        names, terms = names + ["distill/reverse_kl"], terms + [reverse_kl]
     with torch.no_grad():
         tokens = completion.sum()  # scalar: completion tokens in this batch
         stacked = torch.stack([t.detach() for t in terms])  # [n, B, T]

@@ -1,9 +1,10 @@
 """`grpo plot`: one PNG of a run's metrics.jsonl, or of several runs overlaid.
 
-Panels: reward and held-out pass@1 (sampled, and greedy when measured); KL; completion length and
-truncation; zero-variance group fractions; the step-time split; rollout throughput; and for a run with
-tools, the share of samples that call one (train, held-out, greedy) and the calls and turns per sample. Keys missing from a metrics file (an older run) leave a panel,
-or a line in it, empty instead of failing. matplotlib is imported only here, through its object API
+Panels: reward and held-out pass@1 (sampled, and greedy when measured; a distillation teacher's as a line);
+KL to the reference (and to a teacher); completion length and truncation; zero-variance group fractions; the
+step-time split; rollout throughput; and for a run with tools, the share of samples that call one (train,
+held-out, greedy) and the calls and turns per sample. Keys missing from a metrics file (an older run) leave a
+panel, or a line in it, empty instead of failing. matplotlib is imported only here, through its object API
 (Figure + Agg canvas), so no GUI backend or global pyplot state is involved.
 """
 
@@ -117,7 +118,10 @@ def plot_runs(run_dirs: list[Path], out: Path, labels: list[str] | None = None) 
         names = dict.fromkeys(k for row in runs[0] for k in row if k.startswith("reward/") and k not in REWARD_STATS)
         reward_series += [(k, k.removeprefix("reward/"), ":", False) for k in names]
     _line_panel(axes[0, 0], runs, "reward and held-out accuracy", reward_series, "reward / accuracy")
-    _line_panel(axes[0, 1], runs, "KL to the reference (trainer.kl_estimator)", [("kl", "KL", "-", False)], "KL")
+    _teacher_lines(axes[0, 0], runs)
+    _line_panel(axes[0, 1], runs, "KL to the reference (trainer.kl_estimator) and to a teacher",
+                [("kl", "KL to the reference", "-", False),
+                 ("distill/reverse_kl", "reverse KL to the teacher (per token)", "--", False)], "KL")
     _line_panel(axes[0, 2], runs, "completion length and truncation",
                [("completion_len/mean", "length mean", "-", False), ("completion_len/max", "length max", ":", False)],
                "tokens", twin=[("truncation_rate", "truncation rate", "--", False)], twin_label="truncation rate")
@@ -177,6 +181,16 @@ def _line_panel(ax: Any, runs: list[list[dict[str, Any]]], panel_title: str, ser
         ax.grid(alpha=0.3)
     else:
         ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes, color="0.5")
+
+
+def _teacher_lines(ax: Any, runs: list[list[dict[str, Any]]]) -> None:
+    """A distillation teacher's held-out pass@1 (measured once, at the start) across the panel, per run."""
+    for r, rows in enumerate(runs):
+        value = next((row["eval/teacher_pass@1"] for row in rows if "eval/teacher_pass@1" in row), None)
+        if value is not None:
+            ax.axhline(value, color=f"C{r}" if len(runs) > 1 else "0.4", linestyle=(0, (1, 3)), linewidth=1.2)
+            ax.annotate(f"teacher {value:.2f}", (0.01, value), xycoords=("axes fraction", "data"), fontsize=8,
+                        color="0.3", va="bottom")
 
 
 def _time_panel(ax: Any, runs: list[list[dict[str, Any]]], labels: list[str]) -> None:

@@ -104,12 +104,59 @@ def preflight(cfg: TrainConfig) -> Task:
 
     tools = load_tools(cfg.rollout.tools, cfg.rollout.tool_format, cfg.rollout.environment)
     check_tool_run(tools, reward_fns, {"train": train_rows, "held-out": heldout_rows})
-    task = Task(train_rows, heldout_rows, reward_fns, model_path, load_tokenizer(model_path), cfg.data, tools)
+    tokenizer = load_tokenizer(model_path)
+    teacher_path = check_teacher(cfg.distill.teacher, cfg.model.name_or_path, tokenizer) if cfg.distill.teacher else None
+    task = Task(train_rows, heldout_rows, reward_fns, model_path, tokenizer, cfg.data, tools, teacher_path)
     check_prompt_lengths(task, cfg)
     if tools and cfg.rollout.tool_format == "chat":  # its tool role and its call syntax, before any model loads
         ChatFormat.from_tokenizer(task.tokenizer, {t.schema["function"]["name"]: t.name for t in tools},
                                   cfg.rollout.tool_call_syntax, cfg.rollout.max_tool_calls)
     return task
+
+
+def check_teacher(teacher: str, student: str, tokenizer: Any) -> str:
+    """distill.teacher before any model loads: its files, a causal LM the passes can run, and the student's
+    tokenizer (the same vocabulary and special tokens, so a token id means the same token to both; across
+    tokenizers a per-token logprob compares nothing). Returns its directory (or hub id)."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    try:
+        path = resolve_model_path(teacher)
+    except FileNotFoundError as e:
+        raise UsageError(f"distill.teacher: {e}") from None
+    if damage := damaged_weights(path):
+        raise UsageError(f"distill.teacher: {damage}")
+    config = AutoConfig.from_pretrained(path)
+    architectures = config.architectures or []
+    causal = any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in architectures) if architectures \
+        else config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    if not causal:
+        raise UsageError(f"distill.teacher: {teacher} is not a causal LM ({', '.join(architectures) or config.model_type}); "
+                         "a teacher scores each sampled token with its next-token logprob")
+    if reason := passes.shared_prompt_unsupported(config):
+        raise UsageError(f"distill.teacher: {reason}")
+    if differs := tokenizer_difference(tokenizer, load_tokenizer(path)):
+        raise UsageError(f"distill.teacher: its tokenizer differs from the student's ({differs}): student "
+                         f"{student}, teacher {teacher}; distillation across tokenizers is not supported")
+    return path
+
+
+def tokenizer_difference(student: Any, teacher: Any) -> str | None:
+    """What differs between two tokenizers that a per-token logprob depends on, or None: the vocabulary (token
+    strings and their ids) and the special tokens."""
+    mine, theirs = student.get_vocab(), teacher.get_vocab()
+    if mine != theirs:
+        by_id = [{i: token for token, i in vocab.items()} for vocab in (mine, theirs)]
+        first = min(i for i in set(by_id[0]) | set(by_id[1]) if by_id[0].get(i) != by_id[1].get(i))
+        return (f"vocabularies of {len(mine)} and {len(theirs)} tokens; token {first} is {by_id[0].get(first)!r} in the "
+                f"student's, {by_id[1].get(first)!r} in the teacher's")
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id"):
+        if getattr(student, name) != getattr(teacher, name):
+            return f"{name} {getattr(student, name)} vs {getattr(teacher, name)}"
+    if set(student.all_special_ids) != set(teacher.all_special_ids):
+        return f"special token ids {sorted(student.all_special_ids)} vs {sorted(teacher.all_special_ids)}"
+    return None
 
 
 def check_tool_run(tools: list, reward_fns: list, splits: dict[str, list[dict[str, Any]]]) -> None:
@@ -219,6 +266,10 @@ def start_run(cfg: TrainConfig, task: Task, run_dir: Path, engine: Engine | None
         # reference is the policy with its adapters off (update.reference_logprobs): no second copy
         reference = shard_model(load_policy(task.model_path, cfg.model.dtype).to(dist.device).eval()
                                 .requires_grad_(False), dist, cfg.dist.reshard_layers)
+    teacher = None
+    if task.teacher_path:  # frozen, in the compute dtype, sharded like the reference (docs/distillation.md)
+        teacher = shard_model(load_policy(task.teacher_path, cfg.model.dtype).to(dist.device).eval()
+                              .requires_grad_(False), dist, cfg.dist.reshard_layers)
     engine = build_engine(cfg, task, weights, policy, dist, engine)
     if lora.enabled:  # the engine serves the base: it takes the adapters (B = 0 in a new run) before the first step
         push(engine, policy)
@@ -226,7 +277,7 @@ def start_run(cfg: TrainConfig, task: Task, run_dir: Path, engine: Engine | None
     optimizer, scheduler = build_optimizer(policy, trainer, start.schedule_steps)
     heldout = HeldoutSet.build(task.heldout_rows[: cfg.eval.num_problems], task.encode, task.reward_fns, cfg.data)
     state = RunState(task, dist, run_dir, start, policy, reference, engine, optimizer, scheduler,
-                     PromptCursor(len(task.train_rows), cfg.trainer.seed), heldout)
+                     PromptCursor(len(task.train_rows), cfg.trainer.seed), heldout, teacher)
     if start.state is not None:
         state.best_pass = restore_trainer_state(start.state, optimizer, scheduler, state.cursor, Path(start.path),
                                                 policy)
@@ -234,6 +285,15 @@ def start_run(cfg: TrainConfig, task: Task, run_dir: Path, engine: Engine | None
             state.history = truncate_metrics(run_dir / "metrics.jsonl", start.step)  # drop steps after the checkpoint
         dist.barrier()
     return state
+
+
+def teacher_engine(cfg: TrainConfig, task: Task, teacher: torch.nn.Module, dist: Dist) -> Engine:
+    """An engine sampling from distill.teacher's module itself (transformers generate: any teacher the passes run,
+    whatever the rollout engine holds), with the recipe's tools; at world size > 1 this rank's share. For its
+    held-out reference line (train.teacher_heldout)."""
+    engine = with_tools(HFEngine(teacher, task.tokenizer, lambda: dist.autocast(cfg.model.dtype)), task.tools,
+                        cfg.rollout)
+    return ShardedEngine(engine, dist) if dist.world_size > 1 else engine
 
 
 def build_engine(cfg: TrainConfig, task: Task, weights: str, policy: torch.nn.Module, dist: Dist,

@@ -37,6 +37,7 @@ class Task:
     tokenizer: Any  # the model's tokenizer (a transformers tokenizer, pad token set)
     data: DataConfig  # how a row becomes a prompt (template, prompt column) and how its answer is marked
     tools: list[LoadedTool] = dataclasses.field(default_factory=list)  # rollout.tools, loaded (docs/tools.md)
+    teacher_path: str | None = None  # distill.teacher's directory (or hub id), checked against the tokenizer
 
     def encode(self, row: dict[str, Any]) -> list[int]:
         """A row's prompt, rendered with data.template, as token ids."""
@@ -76,5 +77,6 @@ class RunState:
     scheduler: torch.optim.lr_scheduler.LambdaLR  # warm-up and trainer.lr_schedule, over optimizer steps
     cursor: PromptCursor  # the train rows' seeded order and position (saved for an exact resume)
     heldout: HeldoutSet  # the eval.num_problems held-out problems every evaluation samples
+    teacher: torch.nn.Module | None = None  # distill.teacher, frozen (None without distillation)
     best_pass: float = -1.0  # the best held-out pass@1 so far; checkpoints/best holds that model
     history: list[dict[str, Any]] = field(default_factory=list)  # every step's metrics, for the summary

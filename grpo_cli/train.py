@@ -37,7 +37,7 @@ from grpo_cli.plot import plot_runs
 from grpo_cli.rollout import sample_seeds
 from grpo_cli.runs import prune_checkpoints
 from grpo_cli.runtime import quiet_third_party
-from grpo_cli.setup import preflight, setup_torch, start_run
+from grpo_cli.setup import preflight, setup_torch, start_run, teacher_engine
 from grpo_cli.state import RunState, Start
 from grpo_cli.sync import maybe_push_check, push_mode, push_to_engine, release_engine
 from grpo_cli.timer import StepTimer
@@ -70,7 +70,7 @@ def run(cfg: TrainConfig, run_dir: Path, engine: Engine | None = None) -> int:
             if cfg.resume:  # resume=auto with no run to continue: a requeued job's first attempt starts here
                 out.console.info(f"resume=auto: no run of {cfg.task} under {Path(cfg.output_dir) / cfg.task} has a "
                                  "resumable checkpoint yet; starting a new run")
-            out.record({"step": 0, **heldout_eval(state, cfg, 0)})
+            out.record({"step": 0, **heldout_eval(state, cfg, 0), **teacher_heldout(state, cfg)})
         else:
             out.resumed(state.start)
         if ahead is not None:  # rollout.max_staleness = K: the first K batches, from the start's weights
@@ -217,6 +217,23 @@ def heldout_eval(state: RunState, cfg: TrainConfig, step: int) -> dict[str, floa
         add_greedy_metrics(metrics, state.engine, state.heldout, cfg.rollout.max_new_tokens,
                            cfg.rollout.trajectory_tokens)
     return state.dist.broadcast(flatten(metrics))
+
+
+def teacher_heldout(state: RunState, cfg: TrainConfig) -> dict[str, float]:
+    """distill.teacher's held-out pass@1, once at a new run's start, sampled as the student's evaluation is (its
+    seeds, eval.samples_per_problem at eval.temperature) with transformers on the teacher itself: the line the
+    student climbs towards ({} without a teacher)."""
+    if state.teacher is None:
+        return {}
+    engine = teacher_engine(cfg, state.task, state.teacher, state.dist)
+    try:
+        sampling = Sampling(cfg.eval.samples_per_problem, cfg.eval.temperature, cfg.rollout.top_p,
+                            cfg.rollout.max_new_tokens, logprob_seeds=NO_LOGPROBS)
+        seeds = sample_seeds(cfg.trainer.seed, 0, len(state.heldout.rows), stream=1, group_size=sampling.n)
+        metrics = heldout_metrics(engine, state.heldout, sampling, seeds, max_tokens=cfg.rollout.trajectory_tokens)
+    finally:
+        engine.close()
+    return state.dist.broadcast({"eval/teacher_pass@1": metrics["pass@1"]})
 
 
 def maybe_checkpoint(state: RunState, metrics: dict[str, Any], cfg: TrainConfig, save_now: bool,

@@ -36,7 +36,8 @@ def loss_params(cfg: TrainConfig) -> LossParams:
         policy_loss=t.policy_loss, clip_ratio_c=t.clip_ratio_c, kl_estimator=t.kl_estimator,
         correction=t.mismatch_correction, tis_cap=t.tis_cap, seq_mask_low=t.seq_mask_low,
         seq_mask_high=t.seq_mask_high, entropy_coef=t.entropy_coef,
-        max_new_tokens=cfg.rollout.trajectory_tokens)  # dr_grpo's constant: the most tokens a completion holds
+        max_new_tokens=cfg.rollout.trajectory_tokens,  # dr_grpo's constant: the most tokens a completion holds
+        objective=cfg.distill.loss_objective, distill_coef=cfg.distill.coef)
 
 
 def needs_old_logprobs(cfg: TrainConfig) -> bool:
@@ -69,16 +70,17 @@ def batch_logprobs(model: torch.nn.Module | None, batch: TrainBatch, chunk_token
 
 
 def fill_logprobs(state: RunState, batch: TrainBatch, groups: Groups, cfg: TrainConfig) -> dict[str, float]:
-    """Fill in every micro-batch's reference logprobs and, when the policy can move before a sample is
-    used, its old logprobs; with seq_mask, leave the rejected samples out of the normalizers; with
+    """Fill in every micro-batch's reference logprobs, a distillation teacher's, and, when the policy can move
+    before a sample is used, its old logprobs; with seq_mask, leave the rejected samples out of the normalizers; with
     trainer.kl_in_reward, fold the KL into the advantages. Returns the KL penalty's stats
     ({"reward/kl_penalty": ...}; {} without kl_in_reward)."""
     dist, chunk, temperature = state.dist, cfg.trainer.logprob_chunk_tokens, cfg.rollout.temperature
     autocast = lambda: dist.autocast(cfg.model.dtype)  # noqa: E731
     old = batch_logprobs(state.policy if needs_old_logprobs(cfg) else None, batch, chunk, temperature, autocast)
     ref = reference_logprobs(state, batch, cfg, autocast)
-    for mb, old_lp, ref_lp in zip(batch.micro_batches, old, ref):
-        mb.old_logprobs, mb.ref_logprobs = old_lp, ref_lp  # [b, Tc] each (or None)
+    teacher = batch_logprobs(state.teacher, batch, chunk, temperature, autocast)  # as the engine's: at rollout.temperature
+    for mb, old_lp, ref_lp, teacher_lp in zip(batch.micro_batches, old, ref, teacher):
+        mb.old_logprobs, mb.ref_logprobs, mb.teacher_logprobs = old_lp, ref_lp, teacher_lp  # [b, Tc] each (or None)
     if cfg.trainer.mismatch_correction == "seq_mask" and batch.micro_batches:
         renormalize_without_rejected(batch, cfg, dist)
     return kl_into_advantages(batch, groups, cfg, dist) if cfg.trainer.kl_in_reward and batch.micro_batches else {}
@@ -199,7 +201,7 @@ def minibatch_step(state: RunState, part: Minibatch, params: LossParams, cfg: Tr
                 entropy="grad" if params.entropy_coef > 0 else "detached")  # [b, Tc] x 2
         inputs = grpo.LossInputs(logps, mb.mask, mb.advantages, old_logprobs=mb.old_logprobs,
                                  ref_logprobs=mb.ref_logprobs, sampling_logprobs=mb.sampling_logprobs,
-                                 normalizer=part.normalizer, entropy=entropy)
+                                 normalizer=part.normalizer, entropy=entropy, teacher_logprobs=mb.teacher_logprobs)
         loss, stats = loss_fn(inputs, params)
         loss.backward()
         loss_total = loss_total + loss.detach().double()
@@ -238,6 +240,8 @@ def update(state: RunState, batch: TrainBatch, params: LossParams, cfg: TrainCon
             norms += [grad_norm] if finite else []
             skipped += int(not finite)
     sums, mismatch_sum, mismatch_tokens = device_sums.read()
+    # the passes' completions (every epoch's): a token-mean stat x tokens / this is its mean per sequence
+    sums["sequences"] = float(cfg.trainer.ppo_epochs * sum(len(mb.rows) for mb in batch.micro_batches))
     if not batch.minibatches:  # nothing kept: the schedule still advances by the steps it would have taken
         state.optimizer.zero_grad(set_to_none=True)
         for _ in range(cfg.trainer.ppo_epochs * cfg.trainer.minibatches):
@@ -248,8 +252,10 @@ def update(state: RunState, batch: TrainBatch, params: LossParams, cfg: TrainCon
         totals = dist.sum([*losses, mismatch_sum, mismatch_tokens, *(sums[k] for k in keys)])
         losses, (mismatch_sum, mismatch_tokens) = totals[:len(losses)], totals[len(losses):len(losses) + 2]
         sums = dict(zip(keys, totals[len(losses) + 2:]))
-    tokens = sums.pop("tokens", 0.0)
+    tokens, sequences = sums.pop("tokens", 0.0), sums.pop("sequences")
     means = {key: value / max(tokens, 1.0) for key, value in sums.items()}
+    if "distill/reverse_kl" in sums:  # summed over each sequence's tokens, then averaged over the sequences
+        means["distill/reverse_kl_per_seq"] = sums["distill/reverse_kl"] / max(sequences, 1.0)
     return {"loss": sum(losses) / len(losses) if losses else 0.0, **means,
             "grad_norm": sum(norms) / len(norms) if norms else None,
             "skipped_nonfinite": skipped, "mismatch/mean_abs_logprob": mismatch_sum / mismatch_tokens if mismatch_tokens else None}

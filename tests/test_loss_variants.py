@@ -1,5 +1,6 @@
 """The loss's axes against hand-computed values and gradients: policy terms (ppo_clip, gspo, dual clip),
-aggregations (grpo, token_mean, dr_grpo), KL estimators, advantages, mismatch corrections, entropy;
+aggregations (grpo, token_mean, dr_grpo), KL estimators, advantages, mismatch corrections, entropy,
+distillation objectives;
 and the update stage with several epochs and minibatches (tier 1: CPU, seconds)."""
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ def test_config_names_are_the_tables():
     assert schema.KL_ESTIMATOR_NAMES == tuple(grpo.KL_ESTIMATORS)
     assert schema.ADVANTAGE_NAMES == tuple(grpo.ADVANTAGES)
     assert schema.CORRECTION_NAMES == tuple(grpo.CORRECTIONS)
+    assert schema.OBJECTIVE_NAMES == tuple(grpo.OBJECTIVES)
     with pytest.raises(schema.ConfigError, match=r"^trainer.policy_loss: 'ppo' is not one of ppo_clip, gspo"):
         schema.TrainerConfig(policy_loss="ppo")
 
@@ -228,6 +230,39 @@ def test_dr_grpo_without_max_new_tokens_fails_loudly():
 def test_a_correction_without_sampling_logprobs_is_an_error():
     with pytest.raises(ValueError, match="sampling_logprobs"):
         grpo.grpo_loss(LossInputs(torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1)), LossParams(correction="tis"))
+
+
+# ---------------------------------------------------------------------------- distillation objectives
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_distillation_gives_each_token_minus_its_reverse_kl_to_the_teacher_as_its_advantage(name):
+    """distill: A_t = -coef * (old_t - teacher_t), the group advantages ignored; grpo+distill adds the group's.
+    With one update (ratio 1) the loss is minus the aggregated advantages, and a token the teacher likes more
+    than the student is pushed up, one it likes less pushed down."""
+    logp = torch.log(torch.tensor([[0.5, 0.4, 0.3], [0.2, 0.6, 0.5]]))  # [B=2, T=3] the student's
+    teacher = torch.log(torch.tensor([[0.9, 0.1, 0.3], [0.2, 0.9, 0.7]]))  # [B, T]
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    group = torch.tensor([1.0, -1.0])
+    reverse_kl = logp - teacher  # [B, T]
+    for objective, adv in (("distill", -0.5 * reverse_kl), ("grpo+distill", group[:, None] - 0.5 * reverse_kl)):
+        x = logp.clone().requires_grad_(True)
+        params = LossParams(objective=objective, distill_coef=0.5, max_new_tokens=3)
+        loss, stats = LOSSES[name](LossInputs(x, mask, group, teacher_logprobs=teacher), params)
+        by_hand, _ = LOSSES[name](LossInputs(logp.clone(), mask, torch.zeros(2)), params._replace(objective="grpo"))
+        expected = {"grpo": -((adv * mask).sum(-1) / mask.sum(-1)).mean(),
+                    "token_mean": -(adv * mask).sum() / mask.sum(),
+                    "dr_grpo": -(adv * mask).sum() / (2 * 3)}[name]
+        assert loss.item() == pytest.approx(expected.item(), rel=1e-6) and by_hand.item() == 0.0
+        assert stats["distill/reverse_kl"] == pytest.approx(((reverse_kl * mask).sum() / mask.sum()).item(), rel=1e-6)
+        loss.backward()
+        if objective == "distill":  # the sign of each token's gradient step follows the teacher
+            assert x.grad[0, 0] < 0 < x.grad[0, 1] and x.grad[0, 2] == 0.0 and x.grad[1, 0] == 0.0
+
+
+def test_a_distillation_objective_without_teacher_logprobs_is_an_error():
+    with pytest.raises(ValueError, match="teacher_logprobs"):
+        grpo.grpo_loss(LossInputs(torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1)), LossParams(objective="distill"))
 
 
 # ---------------------------------------------------------------------------- entropy

@@ -1,0 +1,123 @@
+"""On-policy distillation (docs/distillation.md): the teacher checked before any model loads, and the update
+pulling the student towards it (tier 1: CPU, seconds; the loss's arithmetic is in test_loss_variants.py)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from grpo_cli.cli import load_config
+from grpo_cli.config import ConfigError, DistillConfig
+from grpo_cli.errors import UsageError
+from grpo_cli.setup import preflight
+
+BIKE = ["recipe=bike_pricing"]
+
+
+def test_distill_settings_are_checked_with_their_key():
+    with pytest.raises(ConfigError, match=r"^distill.objective: 'kd' is not one of distill, grpo\+distill"):
+        DistillConfig(teacher="builtin:bike_base", objective="kd")
+    with pytest.raises(ConfigError, match=r"^distill.coef: must be > 0"):
+        DistillConfig(coef=0.0)
+    with pytest.raises(UsageError, match=r"distill.objective: distill trains on every group.*filter_zero_variance"):
+        load_config("train", [*BIKE, "distill.teacher=builtin:bike_base", "distill.objective=distill",
+                              "trainer.filter_zero_variance=true"])
+    assert DistillConfig().loss_objective == "grpo"  # no teacher: plain GRPO whatever the objective says
+    assert DistillConfig(teacher="t", objective="distill").loss_objective == "distill"
+
+
+def test_a_teacher_is_refused_before_any_model_loads_with_one_line_naming_it(tmp_path):
+    """preflight checks distill.teacher (setup.check_teacher): its files, a causal LM, the student's tokenizer."""
+    from grpo_cli.checkpoint import load_tokenizer, resolve_model_path
+    from grpo_cli.setup import check_teacher
+
+    with pytest.raises(UsageError, match=r"^distill.teacher: no built-in model 'bike_teacherx'"):
+        preflight(load_config("train", [*BIKE, "distill.teacher=builtin:bike_teacherx"]))
+    student = resolve_model_path("builtin:bike_base")
+    tokenizer = load_tokenizer(student)
+    with pytest.raises(UsageError) as err:  # another task's model: its own tokenizer
+        check_teacher("builtin:countdown_base", "builtin:bike_base", tokenizer)
+    assert str(err.value) == ("distill.teacher: its tokenizer differs from the student's (vocabularies of 512 and 350 "
+                              "tokens; token 258 is 'Ġd' in the student's, 'on' in the teacher's): student "
+                              "builtin:bike_base, teacher builtin:countdown_base; distillation across tokenizers is "
+                              "not supported")
+    classifier = tmp_path / "classifier"  # a classifier with the student's own tokenizer: not a causal LM
+    shutil.copytree(student, classifier)
+    config = json.loads((classifier / "config.json").read_text())
+    (classifier / "config.json").write_text(json.dumps({**config, "architectures": ["Qwen2ForSequenceClassification"]}))
+    with pytest.raises(UsageError, match=r"^distill.teacher: .*classifier is not a causal LM "
+                                         r"\(Qwen2ForSequenceClassification\)"):
+        check_teacher(str(classifier), "builtin:bike_base", tokenizer)
+    task = preflight(load_config("train", [*BIKE, "distill.teacher=builtin:bike_base"]))
+    assert task.teacher_path == task.model_path
+
+
+def run_distill_steps(teacher: torch.nn.Module, steps: int) -> tuple[list[dict], list[float], torch.nn.Module]:
+    """`steps` pure-distillation updates of a fresh tiny student on one synthetic batch, plain SGD, no KL: each
+    update's stats, and the mean |student - teacher logprob| over the batch's tokens before each and after the last."""
+    from test_stages import loop_cfg, stage_state, synthetic_groups, tiny_policy
+
+    from grpo_cli.batch import TrainBatch
+    from grpo_cli.dist import Dist
+    from grpo_cli.update import batch_logprobs, fill_logprobs, loss_params, update
+
+    cfg = loop_cfg(3, micro_batch_size=64, lr=0.2)
+    cfg.distill = DistillConfig(teacher="given", objective="distill")
+    policy = tiny_policy()
+    optimizer = torch.optim.SGD(policy.parameters(), lr=cfg.trainer.lr)
+    state = stage_state(policy=policy, optimizer=optimizer, teacher=teacher.eval().requires_grad_(False),
+                        scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0))
+    groups, params, stats, gaps = synthetic_groups(), loss_params(cfg), [], []
+    batch = TrainBatch.build(groups, 0, cfg.trainer, Dist(), params)
+
+    def gap() -> float:
+        (student,), (taught,) = (batch_logprobs(m, batch, 1024, 1.0) for m in (policy, teacher))  # [b, Tc] each
+        (mb,) = batch.micro_batches
+        return float(((student - taught).abs() * mb.mask).sum() / mb.mask.sum())
+
+    for _ in range(steps):
+        gaps.append(gap())
+        batch = TrainBatch.build(groups, 0, cfg.trainer, Dist(), params)
+        fill_logprobs(state, batch, groups, cfg)
+        stats.append(update(state, batch, params, cfg))
+    return stats, [*gaps, gap()], policy
+
+
+def test_pure_distillation_pulls_the_student_towards_the_teacher_and_a_copy_of_itself_leaves_it_alone():
+    """Each token's advantage pushes the student's logprob towards the teacher's, so on the batch's tokens the
+    gap shrinks step after step; with the student's own weights as teacher every advantage is 0 and the
+    update moves nothing."""
+    from test_stages import tiny_policy
+
+    stats, gaps, _ = run_distill_steps(tiny_policy(seed=1), steps=5)
+    assert all(b < a for a, b in zip(gaps, gaps[1:])) and gaps[-1] < 0.5 * gaps[0], gaps
+    assert all("distill/reverse_kl" in s and "distill/reverse_kl_per_seq" in s for s in stats)
+    (same,), _, student = run_distill_steps(tiny_policy(seed=0), steps=1)
+    assert same["distill/reverse_kl"] == 0.0 and same["distill/reverse_kl_per_seq"] == 0.0
+    assert all(a.equal(b) for a, b in zip(student.state_dict().values(), tiny_policy(seed=0).state_dict().values()))
+
+
+def test_the_teachers_heldout_pass_at_1_is_measured_on_the_teacher_itself():
+    """train.teacher_heldout samples the held-out problems from distill.teacher, not from the policy: the shipped
+    model passes some, the same model with its weights scrambled none; without a teacher there is no line."""
+    from test_stages import stage_state
+
+    from grpo_cli.checkpoint import load_policy
+    from grpo_cli.heldout import HeldoutSet
+    from grpo_cli.train import teacher_heldout
+
+    cfg = load_config("train", [*BIKE, "distill.teacher=builtin:bike_base", "rollout.max_new_tokens=48"])
+    task = preflight(cfg)
+    heldout = HeldoutSet.build(task.heldout_rows[:24], task.encode, task.reward_fns, cfg.data)
+    teacher = load_policy(task.teacher_path, "float32").eval()
+    scrambled = load_policy(task.teacher_path, "float32").eval()
+    with torch.no_grad():
+        for p in scrambled.parameters():
+            p.copy_(p[torch.randperm(p.shape[0], generator=torch.Generator().manual_seed(0))])
+    good = teacher_heldout(stage_state(task=task, heldout=heldout, teacher=teacher), cfg)["eval/teacher_pass@1"]
+    bad = teacher_heldout(stage_state(task=task, heldout=heldout, teacher=scrambled), cfg)["eval/teacher_pass@1"]
+    assert good > 0.1 and bad == 0.0, (good, bad)
+    assert teacher_heldout(stage_state(task=task, heldout=heldout), cfg) == {}

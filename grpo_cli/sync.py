@@ -8,7 +8,8 @@ weights, which no other metric shows.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
@@ -42,6 +43,26 @@ def push(engine: Engine, policy: torch.nn.Module) -> None:
     elif engine.adapters == "merged":
         engine.push_weights(merged_tensors(policy))
     # "shared": the engine samples from the policy module itself, adapters included
+
+
+def can_stand_in(engine: Engine, policy: torch.nn.Module, model: torch.nn.Module) -> bool:
+    """Whether `model` (a distillation teacher) can take the policy's place in `engine` for a while
+    (`standing_in`): the same tensors by name and shape, and an engine of this process that holds whole
+    weights (not a base under the policy's adapters, which pushing the policy back would leave replaced)."""
+    if is_adapter_model(policy) or engine.adapters == "shared" or not engine.in_process:
+        return False
+    shapes = [{name: tuple(t.shape) for name, t in m.state_dict().items()} for m in (policy, model)]
+    return shapes[0] == shapes[1]
+
+
+@contextlib.contextmanager
+def standing_in(engine: Engine, policy: torch.nn.Module, model: torch.nn.Module) -> Iterator[None]:
+    """`model`'s weights in `engine` for the block, the policy's pushed back after it, whatever happens inside."""
+    push(engine, model)
+    try:
+        yield
+    finally:
+        push(engine, policy)
 
 
 def push_mode(engine: Engine) -> str:

@@ -39,7 +39,7 @@ from grpo_cli.runs import prune_checkpoints
 from grpo_cli.runtime import quiet_third_party
 from grpo_cli.setup import preflight, setup_torch, start_run, teacher_engine
 from grpo_cli.state import RunState, Start
-from grpo_cli.sync import maybe_push_check, push_mode, push_to_engine, release_engine
+from grpo_cli.sync import can_stand_in, maybe_push_check, push_mode, push_to_engine, release_engine, standing_in
 from grpo_cli.timer import StepTimer
 from grpo_cli.tools.load import close_tools
 from grpo_cli.update import fill_logprobs, loss_params, update
@@ -220,20 +220,29 @@ def heldout_eval(state: RunState, cfg: TrainConfig, step: int) -> dict[str, floa
 
 
 def teacher_heldout(state: RunState, cfg: TrainConfig) -> dict[str, float]:
-    """distill.teacher's held-out pass@1, once at a new run's start, sampled as the student's evaluation is (its
-    seeds, eval.samples_per_problem at eval.temperature) with transformers on the teacher itself: the line the
-    student climbs towards ({} without a teacher)."""
+    """distill.teacher's held-out pass@1, once at a new run's start, sampled as the student's step-0 evaluation is
+    (its seeds, eval.samples_per_problem at eval.temperature): the line the student climbs towards ({} without a
+    teacher). By the run's own engine with the teacher's weights pushed in when they fit it (then the policy's
+    pushed back), else with transformers on the teacher itself (any teacher the passes run; slower)."""
     if state.teacher is None:
         return {}
-    engine = teacher_engine(cfg, state.task, state.teacher, state.dist)
-    try:
-        sampling = Sampling(cfg.eval.samples_per_problem, cfg.eval.temperature, cfg.rollout.top_p,
-                            cfg.rollout.max_new_tokens, logprob_seeds=NO_LOGPROBS)
-        seeds = sample_seeds(cfg.trainer.seed, 0, len(state.heldout.rows), stream=1, group_size=sampling.n)
-        metrics = heldout_metrics(engine, state.heldout, sampling, seeds, max_tokens=cfg.rollout.trajectory_tokens)
-    finally:
-        engine.close()
-    return state.dist.broadcast({"eval/teacher_pass@1": metrics["pass@1"]})
+    sampling = Sampling(cfg.eval.samples_per_problem, cfg.eval.temperature, cfg.rollout.top_p,
+                        cfg.rollout.max_new_tokens, logprob_seeds=NO_LOGPROBS)
+    seeds = sample_seeds(cfg.trainer.seed, 0, len(state.heldout.rows), stream=1, group_size=sampling.n)
+
+    def measure(engine: Engine) -> float:
+        return heldout_metrics(engine, state.heldout, sampling, seeds, max_tokens=cfg.rollout.trajectory_tokens)["pass@1"]
+
+    if can_stand_in(state.engine, state.policy, state.teacher):
+        with standing_in(state.engine, state.policy, state.teacher):
+            value = measure(state.engine)
+    else:
+        engine = teacher_engine(cfg, state.task, state.teacher, state.dist)
+        try:
+            value = measure(engine)
+        finally:
+            engine.close()
+    return state.dist.broadcast({"eval/teacher_pass@1": value})
 
 
 def maybe_checkpoint(state: RunState, metrics: dict[str, Any], cfg: TrainConfig, save_now: bool,

@@ -102,10 +102,12 @@ def test_pure_distillation_pulls_the_student_towards_the_teacher_and_a_copy_of_i
 
 def test_the_teachers_heldout_pass_at_1_is_measured_on_the_teacher_itself():
     """train.teacher_heldout samples the held-out problems from distill.teacher, not from the policy: the shipped
-    model passes some, the same model with its weights scrambled none; without a teacher there is no line."""
+    model passes some, the same model with its weights scrambled none; without a teacher there is no line. (The
+    vLLM engine's path, the teacher's weights pushed in and the policy's back: test_engine.py.)"""
     from test_stages import stage_state
 
     from grpo_cli.checkpoint import load_policy
+    from grpo_cli.engines.hf import HFEngine
     from grpo_cli.heldout import HeldoutSet
     from grpo_cli.train import teacher_heldout
 
@@ -117,7 +119,9 @@ def test_the_teachers_heldout_pass_at_1_is_measured_on_the_teacher_itself():
     with torch.no_grad():
         for p in scrambled.parameters():
             p.copy_(p[torch.randperm(p.shape[0], generator=torch.Generator().manual_seed(0))])
-    good = teacher_heldout(stage_state(task=task, heldout=heldout, teacher=teacher), cfg)["eval/teacher_pass@1"]
-    bad = teacher_heldout(stage_state(task=task, heldout=heldout, teacher=scrambled), cfg)["eval/teacher_pass@1"]
+    policy = load_policy(task.model_path, "float32")  # on the transformers engine: the teacher gets its own engine
+    run = {"task": task, "heldout": heldout, "policy": policy, "engine": HFEngine(policy, task.tokenizer)}
+    good = teacher_heldout(stage_state(**run, teacher=teacher), cfg)["eval/teacher_pass@1"]
+    bad = teacher_heldout(stage_state(**run, teacher=scrambled), cfg)["eval/teacher_pass@1"]
     assert good > 0.1 and bad == 0.0, (good, bad)
-    assert teacher_heldout(stage_state(task=task, heldout=heldout), cfg) == {}
+    assert teacher_heldout(stage_state(**run), cfg) == {}

@@ -283,15 +283,17 @@ def test_kill_9_then_resume_at_two_ranks_is_bit_exact_at_one_rank_works_and_back
     assert [m["step"] for m in metrics_of(copy)] == [0, 1, 2, 3, 4, 5, 6]
 
 
-def test_a_two_rank_lora_run_ends_with_the_adapters_of_a_one_rank_run(workdir):
-    """`grpo train` with LoRA adapters at 2 ranks (FSDP2 over the peft model, the prompts split, the adapters
-    gathered for the checkpoint) and at 1 (one thread, as each rank): the same adapters after 3 steps in peft's
-    files, and adapters that did move. Three steps of sampling, scoring and AdamW carry the float-order
-    differences further than the one update of the partition test (1e-5): 7.9e-6 relative at worst here, so the
-    bound is 3e-5."""
+def test_a_two_rank_lora_run_with_a_teacher_ends_with_the_adapters_of_a_one_rank_run(workdir):
+    """`grpo train` with LoRA adapters and a distillation teacher (the base model itself, so the grade is 0 at
+    step 1 and not after) at 2 ranks (FSDP2 over the peft model and over the teacher, the prompts split, the
+    adapters gathered for the checkpoint) and at 1 (one thread, as each rank): the same adapters after 3 steps
+    in peft's files, adapters that did move, and the same teacher metrics. Three steps of sampling, scoring and
+    AdamW carry the float-order differences further than the one update of the partition test (1e-5): 7.9e-6
+    relative at worst here, so the bound is 3e-5."""
     from safetensors.torch import load_file
 
-    args = ("model.lora.rank=4", "model.lora.lr=3e-3", "trainer.steps=3", "checkpoint.every=0", "eval.every=0")
+    args = ("model.lora.rank=4", "model.lora.lr=3e-3", "trainer.steps=3", "checkpoint.every=0", "eval.every=0",
+            f"distill.teacher={workdir / 'tiny'}")
     runs = {ranks: train(workdir, f"lora_{ranks}", *args, ranks=ranks) for ranks in (2, 1)}
     for ranks, done in runs.items():
         assert done.returncode == 0, (ranks, done.stderr[-3000:])
@@ -300,6 +302,12 @@ def test_a_two_rank_lora_run_ends_with_the_adapters_of_a_one_rank_run(workdir):
     assert_same_weights(adapters[1], adapters[0], rtol=3e-5)
     assert max(float(v.abs().max()) for k, v in adapters[0].items() if "lora_B" in k) > 1e-3  # B starts at zero
     assert "LoRA rank 4" in runs[2].stdout
+    logs = [[json.loads(line) for line in (run_dir_of(workdir / f"lora_{ranks}") / "metrics.jsonl").read_text()
+             .splitlines()] for ranks in (2, 1)]
+    assert logs[0][0]["eval/teacher_pass@1"] == logs[1][0]["eval/teacher_pass@1"]
+    grades = [[m["distill/reverse_kl"] for m in log[1:]] for log in logs]  # [ranks][steps 1-3]
+    assert grades[0][0] == grades[1][0] == 0.0 and all(g != 0.0 for g in grades[0][1:])
+    assert grades[0] == pytest.approx(grades[1], rel=1e-3, abs=1e-7)
 
 
 def test_ctrl_c_on_two_ranks_checkpoints_exits_130_and_leaves_no_rank(workdir):

@@ -257,3 +257,34 @@ def test_the_exact_push_check_sees_a_skipped_push_that_the_logprob_check_misses(
         print(f"skipped push: logprob gap {logprob_gap:.2e}; fp32 {differ}/{compared}, bf16 {moved}/{compared} differ")
     finally:
         vllm_engine.push_weights(shipped_weights.items())
+
+
+def test_a_teacher_that_fits_the_engine_is_evaluated_by_it_and_the_policy_is_pushed_back(vllm_engine, shipped):
+    """train.teacher_heldout on the vLLM engine: a teacher with the policy's tensors is sampled by the run's own
+    engine with the student's step-0 seeds, so a copy of the policy scores exactly the policy's own held-out
+    pass@1, a scrambled copy none, and afterwards the engine samples the policy again (the same pass@1 as
+    before)."""
+    import torch
+    from test_stages import stage_state
+
+    from grpo_cli.checkpoint import load_policy
+    from grpo_cli.cli import load_config
+    from grpo_cli.heldout import HeldoutSet
+    from grpo_cli.setup import preflight
+    from grpo_cli.train import heldout_eval, teacher_heldout
+
+    path, _, _ = shipped
+    cfg = load_config("train", ["recipe=bike_pricing", "distill.teacher=builtin:bike_base", "eval.num_problems=32"])
+    task = preflight(cfg)
+    heldout = HeldoutSet.build(task.heldout_rows[:32], task.encode, task.reward_fns, cfg.data)
+    policy = load_policy(path, "float32")
+    scrambled = load_policy(path, "float32")
+    with torch.no_grad():
+        for p in scrambled.parameters():
+            p.copy_(p[torch.randperm(p.shape[0], generator=torch.Generator().manual_seed(0))])
+    run = {"task": task, "heldout": heldout, "policy": policy, "engine": vllm_engine}
+    before = heldout_eval(stage_state(**run), cfg, 0)["eval/pass@1"]
+    assert teacher_heldout(stage_state(**run, teacher=load_policy(path, "float32")), cfg) == {
+        "eval/teacher_pass@1": before}
+    assert teacher_heldout(stage_state(**run, teacher=scrambled), cfg) == {"eval/teacher_pass@1": 0.0}
+    assert heldout_eval(stage_state(**run), cfg, 0)["eval/pass@1"] == before > 0.1

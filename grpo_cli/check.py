@@ -368,6 +368,10 @@ def teacher_line(cfg: TrainConfig, world_size: int) -> str:
     d, gib = cfg.distill, 2**30
     what = (f"distill: {d.objective}, coef {d.coef:g}: each sampled token's advantage "
             + ("is" if d.objective == "distill" else "adds") + " -coef x (student - teacher logprob)")
+    if d.server:
+        where = "a vLLM server grpo starts for the run" if d.server == "start" else f"the vLLM server at {d.server}"
+        return (f"{what}; teacher {d.teacher} served by {where} (no memory on the trainer; "
+                f"{d.requests_in_flight} samples graded at once, {d.request_timeout_s:g} s each)")
     shape = model_shape(d.teacher)
     if shape is None:
         return f"{what}; teacher {d.teacher} is not a local model directory: no memory estimate"

@@ -336,11 +336,22 @@ class DistillConfig:
     teacher: str | None = None  # the teacher: a causal LM with the student's tokenizer (local dir, hub id or builtin:NAME); None = no distillation
     objective: str = "grpo+distill"  # with a teacher: "distill" (a token's advantage is -coef x (its student - teacher logprob); rewards logged, not trained on) | "grpo+distill" (the group advantage plus that)
     coef: float = 1.0  # weight of the per-token reverse KL in the advantage
+    server: str | None = None  # a served teacher: "start" (grpo starts a vLLM server on distill.teacher, stopped with the run) | the URL of a vLLM server already serving it; None = the teacher in the trainer's process
+    server_start_timeout_s: float = 300.0  # distill.server=start: seconds for the server to answer /health
+    request_timeout_s: float = 60.0  # a served teacher: seconds for one sample's grades (then retried, 3 tries in all)
+    requests_in_flight: int = 8  # a served teacher: samples graded at once
 
     def __post_init__(self) -> None:
         _require(self.objective in OBJECTIVE_NAMES[1:], "distill.objective",
                  f"'{self.objective}' is not one of {', '.join(OBJECTIVE_NAMES[1:])}")
         _require(self.coef > 0, "distill.coef", "must be > 0")
+        _require(self.server is None or bool(self.teacher), "distill.server",
+                 "needs distill.teacher too: the model it serves, whose tokenizer is checked against the student's")
+        _require(self.server is None or self.server == "start" or self.server.startswith(("http://", "https://")),
+                 "distill.server", f"'{self.server}' is neither start nor an http(s) URL")
+        _require(self.requests_in_flight >= 1, "distill.requests_in_flight", "must be >= 1")
+        _require(self.request_timeout_s > 0 and self.server_start_timeout_s > 0, "distill.request_timeout_s",
+                 "timeouts must be > 0 seconds")
 
     @property
     def loss_objective(self) -> str:
@@ -448,6 +459,13 @@ class TrainConfig:
                                                                   or self.rollout.dynamic_sampling),
                  "distill.objective", "distill trains on every group, whatever its rewards: trainer.filter_zero_variance "
                  "and rollout.dynamic_sampling would drop groups a teacher still grades; turn them off (or use grpo+distill)")
+        _require(not self.distill.server or self.rollout.temperature == 1.0, "distill.server",
+                 f"a served teacher's logprobs are of its untempered distribution, and rollout.temperature is "
+                 f"{self.rollout.temperature:g}: load the teacher in the trainer's process (distill.server=null), "
+                 "which grades at the sampling temperature")
+        _require(self.distill.server != "start" or self.dist.nnodes == 1, "distill.server",
+                 "start runs the teacher's server on this node's loopback, which other nodes cannot reach: start it "
+                 "yourself where every node reaches it and give its URL")
         _require(self.trainer.minibatches <= self.rollout.prompts_per_step, "trainer.minibatches",
                  f"{self.trainer.minibatches} exceeds rollout.prompts_per_step={self.rollout.prompts_per_step}: "
                  "minibatches split the step's groups")

@@ -53,6 +53,7 @@ from grpo_cli.runs import step_checkpoints
 from grpo_cli.runtime import cpu_threads, set_threads
 from grpo_cli.state import RunState, Start, Task
 from grpo_cli.sync import push
+from grpo_cli.teacher import ServedTeacher, served_model, start_server
 from grpo_cli.tools import load_tools
 from grpo_cli.tools.chat import ChatFormat
 from grpo_cli.tools.environment import check_rows
@@ -106,6 +107,8 @@ def preflight(cfg: TrainConfig) -> Task:
     check_tool_run(tools, reward_fns, {"train": train_rows, "held-out": heldout_rows})
     tokenizer = load_tokenizer(model_path)
     teacher_path = check_teacher(cfg.distill.teacher, cfg.model.name_or_path, tokenizer) if cfg.distill.teacher else None
+    if cfg.distill.server not in (None, "start"):
+        served_model(cfg.distill.server)  # a server given by URL answers, before any model loads
     task = Task(train_rows, heldout_rows, reward_fns, model_path, tokenizer, cfg.data, tools, teacher_path)
     check_prompt_lengths(task, cfg)
     if tools and cfg.rollout.tool_format == "chat":  # its tool role and its call syntax, before any model loads
@@ -266,10 +269,7 @@ def start_run(cfg: TrainConfig, task: Task, run_dir: Path, engine: Engine | None
         # reference is the policy with its adapters off (update.reference_logprobs): no second copy
         reference = shard_model(load_policy(task.model_path, cfg.model.dtype).to(dist.device).eval()
                                 .requires_grad_(False), dist, cfg.dist.reshard_layers)
-    teacher = None
-    if task.teacher_path:  # frozen, in the compute dtype, sharded like the reference (docs/distillation.md)
-        teacher = shard_model(load_policy(task.teacher_path, cfg.model.dtype).to(dist.device).eval()
-                              .requires_grad_(False), dist, cfg.dist.reshard_layers)
+    teacher = load_teacher(cfg, task, dist, run_dir)
     engine = build_engine(cfg, task, weights, policy, dist, engine)
     if lora.enabled:  # the engine serves the base: it takes the adapters (B = 0 in a new run) before the first step
         push(engine, policy)
@@ -285,6 +285,27 @@ def start_run(cfg: TrainConfig, task: Task, run_dir: Path, engine: Engine | None
             state.history = truncate_metrics(run_dir / "metrics.jsonl", start.step)  # drop steps after the checkpoint
         dist.barrier()
     return state
+
+
+def load_teacher(cfg: TrainConfig, task: Task, dist: Dist, run_dir: Path) -> torch.nn.Module | ServedTeacher | None:
+    """distill.teacher: in this process (frozen, in the compute dtype, sharded like the reference), or served by
+    vLLM (distill.server: a URL, or `start`: rank 0 starts one for the run and every rank of the node uses it;
+    docs/distillation.md); None without distillation."""
+    d = cfg.distill
+    if not task.teacher_path:
+        return None
+    if d.server is None:
+        return shard_model(load_policy(task.teacher_path, cfg.model.dtype).to(dist.device).eval()
+                           .requires_grad_(False), dist, cfg.dist.reshard_layers)
+    started = None
+    if d.server == "start" and dist.is_main:
+        started = start_server(task.teacher_path, cfg.model.dtype, max_model_len(task.teacher_path, cfg.model),
+                               run_dir / "teacher_server.log", d.server_start_timeout_s, d.request_timeout_s,
+                               d.requests_in_flight)
+    url = dist.broadcast(started.url if started is not None else d.server)
+    if started is not None:
+        return started
+    return ServedTeacher(url, served_model(url), d.request_timeout_s, d.requests_in_flight)
 
 
 def teacher_engine(cfg: TrainConfig, task: Task, teacher: torch.nn.Module, dist: Dist) -> Engine:

@@ -25,6 +25,8 @@ from grpo_cli.tools.load import LoadedTool, tool_schemas
 if TYPE_CHECKING:
     import torch
 
+    from grpo_cli.teacher import ServedTeacher
+
 
 @dataclass
 class Task:
@@ -77,6 +79,6 @@ class RunState:
     scheduler: torch.optim.lr_scheduler.LambdaLR  # warm-up and trainer.lr_schedule, over optimizer steps
     cursor: PromptCursor  # the train rows' seeded order and position (saved for an exact resume)
     heldout: HeldoutSet  # the eval.num_problems held-out problems every evaluation samples
-    teacher: torch.nn.Module | None = None  # distill.teacher, frozen (None without distillation)
+    teacher: torch.nn.Module | ServedTeacher | None = None  # distill.teacher: frozen here, or served (None without)
     best_pass: float = -1.0  # the best held-out pass@1 so far; checkpoints/best holds that model
     history: list[dict[str, Any]] = field(default_factory=list)  # every step's metrics, for the summary

@@ -40,6 +40,7 @@ from grpo_cli.runtime import quiet_third_party
 from grpo_cli.setup import preflight, setup_torch, start_run, teacher_engine
 from grpo_cli.state import RunState, Start
 from grpo_cli.sync import can_stand_in, maybe_push_check, push_mode, push_to_engine, release_engine, standing_in
+from grpo_cli.teacher import ServedTeacher
 from grpo_cli.timer import StepTimer
 from grpo_cli.tools.load import close_tools
 from grpo_cli.update import fill_logprobs, loss_params, update
@@ -114,6 +115,8 @@ def run(cfg: TrainConfig, run_dir: Path, engine: Engine | None = None) -> int:
             ahead.close()
         out.close()
         close_tools(task.tools)  # the tools' and the environment's workers
+        if isinstance(state.teacher, ServedTeacher):
+            state.teacher.close()  # the teacher's server, when this run started it
     state.dist.barrier()  # every rank is done; then a normal exit (destroy_process_group aborts on gloo: docs/design.md)
     state.engine.close()  # rollout.placement=split: the generator rank's serve returns
     if state.dist.is_main:
@@ -224,7 +227,7 @@ def teacher_heldout(state: RunState, cfg: TrainConfig) -> dict[str, float]:
     (its seeds, eval.samples_per_problem at eval.temperature): the line the student climbs towards ({} without a
     teacher). By the run's own engine with the teacher's weights pushed in when they fit it (then the policy's
     pushed back), else with transformers on the teacher itself (any teacher the passes run; slower)."""
-    if state.teacher is None:
+    if state.teacher is None or isinstance(state.teacher, ServedTeacher):  # a served one: no engine samples it here
         return {}
     sampling = Sampling(cfg.eval.samples_per_problem, cfg.eval.temperature, cfg.rollout.top_p,
                         cfg.rollout.max_new_tokens, logprob_seeds=NO_LOGPROBS)

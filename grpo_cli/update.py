@@ -22,6 +22,7 @@ from grpo_cli.dist.shard import grad_norm_tensor, reshard_all, run_pass
 from grpo_cli.grpo import LossParams
 from grpo_cli.lora import adapters_off
 from grpo_cli.state import RunState
+from grpo_cli.teacher import ServedTeacher
 
 if TYPE_CHECKING:
     import torch
@@ -78,7 +79,7 @@ def fill_logprobs(state: RunState, batch: TrainBatch, groups: Groups, cfg: Train
     autocast = lambda: dist.autocast(cfg.model.dtype)  # noqa: E731
     old = batch_logprobs(state.policy if needs_old_logprobs(cfg) else None, batch, chunk, temperature, autocast)
     ref = reference_logprobs(state, batch, cfg, autocast)
-    teacher = batch_logprobs(state.teacher, batch, chunk, temperature, autocast)  # as the engine's: at rollout.temperature
+    teacher = teacher_logprobs(state, batch, cfg, autocast)
     for mb, old_lp, ref_lp, teacher_lp in zip(batch.micro_batches, old, ref, teacher):
         mb.old_logprobs, mb.ref_logprobs, mb.teacher_logprobs = old_lp, ref_lp, teacher_lp  # [b, Tc] each (or None)
     if cfg.trainer.mismatch_correction == "seq_mask" and batch.micro_batches:
@@ -95,6 +96,16 @@ def reference_logprobs(state: RunState, batch: TrainBatch, cfg: TrainConfig,
         with adapters_off(state.policy):
             return batch_logprobs(state.policy, batch, chunk, temperature, autocast)
     return batch_logprobs(state.reference, batch, chunk, temperature, autocast)
+
+
+def teacher_logprobs(state: RunState, batch: TrainBatch, cfg: TrainConfig,
+                     autocast: Callable[[], AbstractContextManager]) -> list[torch.Tensor | None]:
+    """A distillation teacher's logprobs of every micro-batch (all None without one): at rollout.temperature from
+    the teacher in this process, as the engine's are; from a served teacher's server (its temperature is 1, which
+    config.py requires of the run)."""
+    if isinstance(state.teacher, ServedTeacher):
+        return state.teacher.grades(batch) if batch.micro_batches else []
+    return batch_logprobs(state.teacher, batch, cfg.trainer.logprob_chunk_tokens, cfg.rollout.temperature, autocast)
 
 
 def renormalize_without_rejected(batch: TrainBatch, cfg: TrainConfig, dist: Dist) -> None:

@@ -125,3 +125,77 @@ def test_the_teachers_heldout_pass_at_1_is_measured_on_the_teacher_itself():
     bad = teacher_heldout(stage_state(**run, teacher=scrambled), cfg)["eval/teacher_pass@1"]
     assert good > 0.1 and bad == 0.0, (good, bad)
     assert teacher_heldout(stage_state(**run), cfg) == {}
+
+
+# ---------------------------------------------------------------------------- a served teacher
+
+
+def test_a_served_teacher_is_refused_with_its_key_when_it_cannot_grade():
+    with pytest.raises(ConfigError, match=r"^distill.server: needs distill.teacher too"):
+        DistillConfig(server="start")
+    with pytest.raises(ConfigError, match=r"^distill.server: 'localhost:8000' is neither start nor an http"):
+        DistillConfig(teacher="t", server="localhost:8000")
+    with pytest.raises(UsageError, match=r"distill.server: a served teacher's logprobs are of its untempered "
+                                         r"distribution, and rollout.temperature is 0.7"):
+        load_config("train", [*BIKE, "distill.teacher=builtin:bike_base", "distill.server=start",
+                              "rollout.temperature=0.7"])
+    with pytest.raises(UsageError, match=r"distill.server: start runs the teacher's server on this node's loopback"):
+        load_config("train", [*BIKE, "distill.teacher=builtin:bike_base", "distill.server=start", "dist.nnodes=2",
+                              "dist.nproc_per_node=1"])
+    with pytest.raises(UsageError, match=r"^distill.server: http://127.0.0.1:9 does not answer as a vLLM server "
+                                         r"\(URLError"):
+        preflight(load_config("train", [*BIKE, "distill.teacher=builtin:bike_base",
+                                        "distill.server=http://127.0.0.1:9"]))
+
+
+def test_a_served_teachers_grades_are_read_off_the_prompt_logprobs_of_the_whole_sample():
+    from grpo_cli.teacher import completion_grades
+
+    choice = {"prompt_logprobs": [None, {"60": {"logprob": -8.7, "rank": 152}}, {"70": {"logprob": -8.0, "rank": 3},
+                                                                                 "71": {"logprob": -0.1, "rank": 1}},
+                                  {"80": {"logprob": -7.1, "rank": 85}}]}
+    assert completion_grades(choice, [5, 60, 70, 80], 2) == [-8.0, -7.1]  # the sampled token's, not the top one
+    with pytest.raises(KeyError):
+        completion_grades(choice, [5, 60, 71, 81], 2)  # a token the server did not grade: never a default
+    with pytest.raises(ValueError, match="3 prompt logprobs for 4 tokens"):
+        completion_grades({"prompt_logprobs": choice["prompt_logprobs"][:3]}, [5, 60, 70, 80], 2)
+
+
+@pytest.mark.slow
+def test_a_teacher_served_by_a_real_vllm_server_grades_as_the_teacher_in_process(tmp_path):
+    """distill.server=URL: a vLLM server on the shipped model (started as `distill.server=start` starts one) grades
+    every sampled token as the same model in this process does (within 1e-4; 1e-7 seen), a run graded by it
+    trains as with the teacher in process (its reverse KL ~0 at step 1, where the student is the teacher), and
+    closing the server grpo started leaves no process."""
+    from test_stages import loop_cfg, synthetic_groups
+
+    from grpo_cli import train
+    from grpo_cli.batch import TrainBatch
+    from grpo_cli.checkpoint import load_policy, resolve_model_path
+    from grpo_cli.dist import Dist
+    from grpo_cli.teacher import start_server
+    from grpo_cli.update import batch_logprobs, loss_params
+
+    path = resolve_model_path("builtin:bike_base")
+    served = start_server(path, "float32", 512, tmp_path / "server.log", 300, 60, 4)
+    try:
+        cfg = loop_cfg(3, micro_batch_size=5)
+        groups = synthetic_groups()  # token ids < 40: any of them is a token of the shipped 512-token vocabulary
+        batch = TrainBatch.build(groups, 0, cfg.trainer, Dist(), loss_params(cfg))
+        here = batch_logprobs(load_policy(path, "float32").eval(), batch, 1024, 1.0)  # [b, Tc] per micro-batch
+        there = served.grades(batch)
+        assert len(here) == len(there) > 1
+        for mb, a, b in zip(batch.micro_batches, here, there):
+            assert (((a - b).abs() * mb.mask).max()) < 1e-4 and (b * (1 - mb.mask)).abs().max() == 0.0
+        run = load_config("train", [*BIKE, "distill.teacher=builtin:bike_base", f"distill.server={served.url}",
+                                    f"output_dir={tmp_path}", "rollout.engine=hf", "rollout.prompts_per_step=2",
+                                    "rollout.group_size=4", "rollout.max_new_tokens=24", "trainer.steps=1",
+                                    "eval.num_problems=4", "eval.every=0", "checkpoint.every=0"])
+        assert train.run(run, tmp_path / "run") == 0
+        step_1 = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()][1]
+        assert abs(step_1["distill/reverse_kl"]) < 1e-6
+        assert served.process.poll() is None  # a server given by URL is the user's: the run leaves it running
+    finally:
+        process = served.process
+        served.close()
+    assert process.poll() is not None

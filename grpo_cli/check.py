@@ -268,6 +268,7 @@ def gpu_lines(cfg: TrainConfig, shape: dict[str, Any] | None, world_size: int) -
         weights = params * FP32_BYTES / world_size + gathered * dtype_bytes
         moments, grads = params * 8 / world_size, params * FP32_BYTES / world_size
         ref = (params / world_size + gathered) * dtype_bytes if t.kl_coef > 0 else 0.0
+    ref += teacher_bytes(cfg, world_size) or 0.0  # a distillation teacher in this process: frozen beside the reference
     held_while_generating = weights + ref + (0 if t.offload_optimizer else moments)
     prompts = r.prompts_per_step // world_size // t.minibatches
     tokens = prompts * PROMPT_TOKENS + t.micro_batch_size * r.trajectory_tokens  # the prompt pass + one micro-batch
@@ -275,7 +276,7 @@ def gpu_lines(cfg: TrainConfig, shape: dict[str, Any] | None, world_size: int) -
     logits = t.logprob_chunk_tokens * shape["vocab_size"] * FP32_BYTES * 3
     updating = weights + ref + moments + grads + activations + logits
     lines = [f"on a GPU, per rank (estimate; {m.dtype}, trainer.device=cuda): the trainer holds {updating / gib:.1f} "
-             f"GiB while it updates (weights {weights / gib:.1f}, reference {ref / gib:.1f}, gradients and AdamW "
+             f"GiB while it updates (weights {weights / gib:.1f}, reference{' + teacher' if cfg.distill.teacher and not cfg.distill.server else ''} {ref / gib:.1f}, gradients and AdamW "
              f"{(grads + moments) / gib:.1f}, activations {activations / gib:.1f} for {tokens} tokens: {prompts} "
              f"prompts of <= {PROMPT_TOKENS} and {t.micro_batch_size} completions of <= {r.trajectory_tokens}, one "
              f"logits chunk {logits / gib:.1f})"]
@@ -362,9 +363,24 @@ def warnings(cfg: TrainConfig) -> list[str]:
     return out
 
 
+def teacher_bytes(cfg: TrainConfig, world_size: int) -> float | None:
+    """What an in-process distill.teacher holds on each trainer rank through the run (frozen, in model.dtype, sharded
+    like the reference, plus what FSDP2 gathers: the root group and 2 layers); 0 without one or when it is served,
+    None when its shape is unknown (not a local model directory)."""
+    d = cfg.distill
+    if not d.teacher or d.server:
+        return 0.0
+    shape = model_shape(d.teacher)
+    if shape is None:
+        return None
+    params, layer = parameter_count(shape), layer_parameter_count(shape)
+    gathered = 0 if world_size == 1 else params - shape["num_hidden_layers"] * layer + 2 * layer
+    return (params / world_size + gathered) * DTYPE_BYTES[cfg.model.dtype]
+
+
 def teacher_line(cfg: TrainConfig, world_size: int) -> str:
-    """distill.teacher: the objective, and the teacher's memory on each trainer rank, held through the run beside the
-    policy (frozen, in model.dtype, sharded like the reference; the estimates above leave it out)."""
+    """distill.teacher: the objective, and where the teacher is: its memory on each trainer rank (on a GPU, inside the
+    trainer's estimate above: gpu_lines), or the server that grades."""
     d, gib = cfg.distill, 2**30
     what = (f"distill: {d.objective}, coef {d.coef:g}: each sampled token's advantage "
             + ("is" if d.objective == "distill" else "adds") + " -coef x (student - teacher logprob)")
@@ -372,14 +388,12 @@ def teacher_line(cfg: TrainConfig, world_size: int) -> str:
         where = "a vLLM server grpo starts for the run" if d.server == "start" else f"the vLLM server at {d.server}"
         return (f"{what}; teacher {d.teacher} served by {where} (no memory on the trainer; "
                 f"{d.requests_in_flight} samples graded at once, {d.request_timeout_s:g} s each)")
-    shape = model_shape(d.teacher)
-    if shape is None:
+    held = teacher_bytes(cfg, world_size)
+    if held is None:
         return f"{what}; teacher {d.teacher} is not a local model directory: no memory estimate"
-    params, layer = parameter_count(shape), layer_parameter_count(shape)
-    gathered = 0 if world_size == 1 else params - shape["num_hidden_layers"] * layer + 2 * layer
-    held = (params / world_size + gathered) * DTYPE_BYTES[cfg.model.dtype]
+    params = parameter_count(model_shape(d.teacher))
     return (f"{what}; teacher {d.teacher}: {params / 1e6:.1f}M parameters, {held / gib:.3f} GiB per rank in "
-            f"{cfg.model.dtype} (frozen, on the trainer's device, on top of the estimates above)")
+            f"{cfg.model.dtype} (frozen, on the trainer's device through the run)")
 
 
 def run_check(cfg: TrainConfig, run_dir: Any) -> int:

@@ -4,6 +4,7 @@ pulling the student towards it (tier 1: CPU, seconds; the loss's arithmetic is i
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -199,3 +200,26 @@ def test_a_teacher_served_by_a_real_vllm_server_grades_as_the_teacher_in_process
         process = served.process
         served.close()
     assert process.poll() is not None
+
+
+def test_grpo_check_counts_a_teacher_in_process_in_the_trainers_gpu_memory_and_a_served_one_nowhere():
+    from grpo_cli.check import gpu_lines, model_shape, teacher_bytes, teacher_line
+
+    def cfg(*extra: str):
+        return load_config("train", [*BIKE, "model.dtype=bfloat16", "rollout.push_check_tol=0.05", *extra])
+
+    shape = model_shape("builtin:bike_base")
+    teacher = teacher_bytes(cfg("distill.teacher=builtin:bike_teacher"), 1)
+    assert teacher == 1_116_800 * 2  # the shipped teacher's parameters in bf16 (its head is tied)
+    assert teacher_bytes(cfg("distill.teacher=builtin:bike_teacher", "distill.server=start"), 1) == 0.0
+    assert "served by a vLLM server grpo starts for the run" in teacher_line(
+        cfg("distill.teacher=builtin:bike_teacher", "distill.server=start"), 1)
+    plain, taught = (gpu_lines(c, shape, 1)[0] for c in (cfg(), cfg("distill.teacher=builtin:bike_teacher")))
+    assert "reference + teacher" in taught and "reference + teacher" not in plain
+    big = cfg("distill.teacher=Qwen/Qwen2.5-0.5B-Instruct")  # a hub teacher grpo check knows the shape of
+
+    def updating_gib(line: str) -> float:
+        return float(re.search(r"the trainer holds ([0-9.]+) GiB while it updates", line).group(1))
+
+    assert updating_gib(gpu_lines(big, shape, 1)[0]) - updating_gib(plain) == pytest.approx(
+        teacher_bytes(big, 1) / 2**30, abs=0.1) and teacher_bytes(big, 1) > 2**29

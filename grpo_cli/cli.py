@@ -451,7 +451,7 @@ def _make_app(command: str) -> Callable[[], Any]:
                 OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
         who = f"rank {rank()}: " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
         if who and getattr(getattr(config, "rollout", None), "placement", "") == "split":
-            who = f"{'generator' if rank() else 'trainer'} {who}"
+            who = f"{'generator' if rank() >= config.trainer_ranks else 'trainer'} {who}"
         module_name, func_name = spec.runner.split(":")
         try:
             import importlib
@@ -587,15 +587,21 @@ def main(argv: list[str] | None = None) -> int:
                   "only 'grpo train' runs over several")
         global _RUN_NAME, _SHARED_RESUME
         timeout_s = config.dist.timeout_s if config is not None else 600
-        if config is not None and config.rollout.placement == "split":  # no default group (dist/channel.py)
-            if launch.rank() != 0:  # the generator: its own GPU, chosen before CUDA starts in this process
+        if config is not None and config.rollout.placement == "split":  # generators join no default group
+            generator = launch.rank() >= config.trainer_ranks
+            if generator:  # its own GPU, chosen before CUDA starts in this process
                 launch.bind_generator_gpu()
             launch.die_with_parent()
-            line = channel.connect(launch.rank(), timeout_s)
-            if launch.rank() == 0:
-                line.send((_RUN_NAME, _decide_resume(config)))
+            links = channel.connect(launch.rank(), config.trainer_ranks, int(os.environ["WORLD_SIZE"]), timeout_s)
+            if generator:
+                _RUN_NAME, _SHARED_RESUME = links.channels[0].recv()  # one run directory for the whole job
             else:
-                _RUN_NAME, _SHARED_RESUME = line.recv()  # one run directory for the whole job
+                decided = launch.share_from_rank0((_RUN_NAME, _decide_resume(config))) \
+                    if config.trainer_ranks > 1 else (_RUN_NAME, _decide_resume(config))
+                for line in links.channels:  # trainer rank 0's, one to each generator
+                    line.send(decided)
+                if launch.rank() != 0:
+                    _RUN_NAME, _SHARED_RESUME = decided
         else:
             launch.join_job(timeout_s)
             # one run directory for the whole job

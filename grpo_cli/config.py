@@ -155,7 +155,8 @@ class RolloutConfig:
     max_sampling_rounds: int = 4  # dynamic sampling: at most this many rounds of prompts_per_step prompts a step
     tensor_parallel_size: int = 1  # consecutive ranks that share one vLLM engine (tensor parallel); 1 = an engine per rank
     max_staleness: int = 0  # K: the batch of step t is sampled from the weights after step t-1-K, while step t-1 trains (docs/async.md); 0 = on-policy, no overlap
-    placement: str = "colocated"  # "colocated": an engine in every rank, every rank trains | "split": rank 0 trains alone, rank 1 only generates (dist.nproc_per_node=2; docs/async.md)
+    placement: str = "colocated"  # "colocated": an engine in every rank, every rank trains | "split": the first ranks train, the last rollout.generator_ranks only generate (docs/async.md)
+    generator_ranks: int = 1  # split: the job's last N ranks, each a vLLM engine sampling its share of every step's prompts; the others train (FSDP2 among themselves)
     overlap: str = "auto"  # max_staleness > 0: "thread" samples beside the update, "off" after it (the same batches); "auto": thread on CUDA, off on the CPU (slower there)
     # Tools (docs/tools.md): with any listed, a rollout is a conversation: the model's turns, each tool's reply.
     tools: list[ToolSpec] = field(default_factory=list)  # tools the model may call mid-rollout; [] = one completion per sample
@@ -198,6 +199,9 @@ class RolloutConfig:
         _require(self.placement == "colocated" or (self.engine == "vllm" and self.tensor_parallel_size == 1),
                  "rollout.placement", "split gives the generator rank a vLLM engine of its own: needs "
                  "rollout.engine=vllm and rollout.tensor_parallel_size=1")
+        _require(self.generator_ranks >= 1, "rollout.generator_ranks", "must be >= 1")
+        _require(self.generator_ranks == 1 or self.placement == "split", "rollout.generator_ranks",
+                 f"{self.generator_ranks}: only a split job has generator ranks; set rollout.placement=split")
         _require(self.placement == "colocated" or self.sleep_mode != "on", "rollout.sleep_mode",
                  "on: a split job's engine has the generator rank's GPU to itself and never sleeps; set auto or off")
         _require(self.overlap in ("auto", "thread", "off"), "rollout.overlap",
@@ -437,6 +441,13 @@ class TrainConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)  # console, metrics files, wandb
     dist: DistConfig = field(default_factory=DistConfig)  # processes and nodes (torchrun, FSDP2, a vLLM engine per rank)
 
+    @property
+    def trainer_ranks(self) -> int:
+        """The ranks that train: every rank, or under rollout.placement=split the first ones, all but the last
+        rollout.generator_ranks (docs/async.md)."""
+        split = self.rollout.placement == "split"
+        return self.dist.world_size - (self.rollout.generator_ranks if split else 0)
+
     def __post_init__(self) -> None:
         if self.trainer.mismatch_correction == "auto":  # samples from older weights: reweigh the gap (docs/async.md)
             self.trainer.mismatch_correction = "tis" if self.rollout.max_staleness else "none"
@@ -470,18 +481,18 @@ class TrainConfig:
                  f"{self.trainer.minibatches} exceeds rollout.prompts_per_step={self.rollout.prompts_per_step}: "
                  "minibatches split the step's groups")
         world = self.dist.world_size
-        _require(self.rollout.placement == "colocated" or world == 2, "rollout.placement",
-                 f"split runs one trainer rank and one generator rank: set dist.nproc_per_node=2 on one node, or "
-                 f"dist.nproc_per_node=1 on two (dist.nnodes=2; not {self.dist.nproc_per_node} x {self.dist.nnodes} "
-                 "processes; more of either kind is not built yet)")
-        if self.rollout.placement == "split":
-            world = 1  # the trainer's share: every prompt of the step
+        generators = self.rollout.generator_ranks
+        _require(self.rollout.placement == "colocated" or world > generators, "rollout.placement",
+                 f"split needs at least one trainer rank besides rollout.generator_ranks={generators}, and the job has "
+                 f"{world} processes (dist.nproc_per_node={self.dist.nproc_per_node} x dist.nnodes={self.dist.nnodes}); "
+                 f"e.g. dist.nproc_per_node={generators + 1}")
+        world = self.trainer_ranks  # the prompts and the groups are shared between the ranks that train
         _require(world % self.rollout.tensor_parallel_size == 0, "rollout.tensor_parallel_size",
                  f"{self.rollout.tensor_parallel_size} does not divide the {world} processes (dist.nproc_per_node x "
                  "dist.nnodes): each engine spans that many of them")
         _require(self.rollout.prompts_per_step % world == 0, "rollout.prompts_per_step",
                  f"{self.rollout.prompts_per_step} does not split over {world} processes (dist.nproc_per_node x "
-                 "dist.nnodes); make it a multiple of the process count")
+                 "dist.nnodes, less a split job's generator ranks); make it a multiple of that count")
         _require(not (self.rollout.multi_turn and self.rollout.tool_format == "chat" and self.data.template != "chat"),
                  "rollout.tool_format", "chat shows the tools through the chat template; set data.template=chat")
         _require(not (self.rollout.multi_turn and self.rollout.engine == "hf" and world > 1),

@@ -1,9 +1,10 @@
-"""rollout.placement=split: a rank that only generates (docs/async.md).
+"""rollout.placement=split: the ranks that only generate (docs/async.md).
 
-In a split job rank 0 trains alone (the policy, the reference, the optimizer, the loop, every file) and rank 1
-holds a vLLM engine and nothing else. The trainer's `state.engine` is an `engines.remote.RemoteEngine`: each
-engine call comes here over the job's channel (dist/channel.py). The generator runs `serve`: it answers calls
-in the order they come until told to stop.
+In a split job the first ranks train (the policy, the reference, the optimizer, the loop; rank 0 writes every
+file) and the last rollout.generator_ranks each hold a vLLM engine and nothing else. The trainers' `state.engine`
+is an `engines.remote.RemoteEngine`: each engine call comes here from trainer rank 0 over this rank's channel,
+and the weights over the fanout that reaches every generator at once (dist/channel.py). A generator runs
+`serve`: it answers calls in the order they come until told to stop.
 """
 
 from __future__ import annotations
@@ -16,8 +17,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from grpo_cli.config import TrainConfig
-from grpo_cli.dist.channel import Channel, current
-from grpo_cli.engines.remote import GENERATOR_RANK
+from grpo_cli.dist.channel import Fanout, current
 from grpo_cli.engines.tools import with_tools
 from grpo_cli.engines.vllm import VLLMEngine
 from grpo_cli.runtime import peak_rss_gib
@@ -29,18 +29,19 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 # The engine calls the generator answers by calling its engine's method of the same name, with the same arguments
-FORWARDED = ("generate", "score", "read_weights", "read_adapter", "push_adapter", "load_adapter")
+FORWARDED = ("generate", "score", "read_weights", "read_adapter", "load_adapter")
 
 
 def is_generator_rank(cfg: TrainConfig) -> bool:
-    """Whether this process is the generator rank of a split job (it runs `serve`, not the training loop)."""
-    return cfg.rollout.placement == "split" and int(os.environ.get("RANK", "0")) == GENERATOR_RANK
+    """Whether this process is a generator rank of a split job (it runs `serve`, not the training loop)."""
+    return cfg.rollout.placement == "split" and int(os.environ.get("RANK", "0")) >= cfg.trainer_ranks
 
 
 def serve(cfg: TrainConfig, task: Task) -> int:
     """The generator rank's whole run: answer the trainer's engine calls, over the channel the CLI opened,
     until it says stop. Ctrl-C is the trainer's to act on (it checkpoints, then says stop)."""
-    channel = current()
+    links = current()
+    channel, fanout = links.channels[0], links.fanout
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     engine: Any = None
@@ -56,8 +57,11 @@ def serve(cfg: TrainConfig, task: Task) -> int:
             engine = with_tools(VLLMEngine(task.model_path, cfg.model, cfg.rollout, cfg.trainer.seed,
                                            cfg.logging.verbose_libraries), task.tools, cfg.rollout)
             channel.send(engine.adapters)
-        elif name == "push_weights":
-            engine.push_weights(_incoming(channel))
+        elif name == "push_weights":  # the tensors come over the fanout, to every generator at once
+            engine.push_weights(_incoming(fanout))
+            channel.send(None)
+        elif name == "push_adapter":
+            engine.push_adapter(*fanout.recv())
             channel.send(None)
         elif name == "generate_timed":
             tick = time.time()
@@ -71,7 +75,7 @@ def serve(cfg: TrainConfig, task: Task) -> int:
             raise RuntimeError(f"the trainer asked the generator for '{name}', which it does not know")
 
 
-def _incoming(channel: Channel) -> Iterator[tuple[str, torch.Tensor]]:
-    while (header := channel.recv()) is not None:
+def _incoming(fanout: Fanout) -> Iterator[tuple[str, torch.Tensor]]:
+    while (header := fanout.recv()) is not None:
         name, shape, dtype = header
-        yield name, channel.recv_tensor(shape, dtype)
+        yield name, fanout.recv_tensor(shape, dtype)

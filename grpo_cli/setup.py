@@ -75,8 +75,8 @@ def preflight(cfg: TrainConfig) -> Task:
         if not torch.cuda.is_available():
             raise UsageError(f"trainer.device={cfg.trainer.device}: no CUDA device here; use trainer.device=auto or cpu")
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if cfg.rollout.placement == "split":  # one trainer rank takes every prompt; the other only generates
-        world = 1
+    if cfg.rollout.placement == "split":  # the trainer ranks share the prompts; the generator ranks only generate
+        world = cfg.trainer_ranks
     if world % cfg.rollout.tensor_parallel_size:
         raise UsageError(f"rollout.tensor_parallel_size: {cfg.rollout.tensor_parallel_size} does not divide the "
                          f"{world} processes (WORLD_SIZE): each engine spans that many of them")
@@ -251,7 +251,7 @@ def start_run(cfg: TrainConfig, task: Task, run_dir: Path, engine: Engine | None
     """This process's place in the job, the start point, the models and the engine, the optimizer and the
     prompt cursor, with a resumed run's trainer state put back. A given `engine` (one process only)
     takes the start point's weights instead of a new one starting."""
-    dist = Dist.init(cfg.trainer.device, alone=cfg.rollout.placement == "split")
+    dist = Dist.init(cfg.trainer.device, trainers=cfg.trainer_ranks if cfg.rollout.placement == "split" else None)
     start = resume_or_start(cfg, run_dir, task.model_path)
     lora = cfg.model.lora
     if lora.enabled:  # the base, frozen, in model.dtype; the adapters on top (fp32), a resume's from its checkpoint
@@ -327,9 +327,9 @@ def build_engine(cfg: TrainConfig, task: Task, weights: str, policy: torch.nn.Mo
     the generator rank's, reached over the channel (its tools run there: generator.py)."""
     if cfg.rollout.placement == "split":  # the generator starts from the base, which its node has as this one does;
         # a resume's weights are in a checkpoint on this node's disk, so they go over the channel (docs/async.md)
-        remote = RemoteEngine(current(), task.tokenizer)
-        if weights != task.model_path:
-            remote.push_weights(checkpoint_weights(weights).items())
+        remote = RemoteEngine(current(), dist, task.tokenizer)
+        if weights != task.model_path:  # trainer rank 0 reads them and sends them
+            remote.push_weights(checkpoint_weights(weights).items() if dist.is_main else ())
         return remote
     builders = {
         "vllm": lambda: VLLMEngine(weights, cfg.model, cfg.rollout, cfg.trainer.seed, cfg.logging.verbose_libraries,
@@ -343,8 +343,10 @@ def build_engine(cfg: TrainConfig, task: Task, weights: str, policy: torch.nn.Mo
 
 
 # Keys that may change between a run and its resume; any other difference would make the
-# resumed run a different experiment, so it is refused.
-RESUMABLE_CHANGES = ("resume", "output_dir", "trainer.steps", "logging.", "checkpoint.", "eval.every", "dist.")
+# resumed run a different experiment, so it is refused. Where the ranks sample (rollout.placement, the number of
+# generator ranks) does not change a sample: each prompt's come from its own seeds (docs/async.md).
+RESUMABLE_CHANGES = ("resume", "output_dir", "trainer.steps", "logging.", "checkpoint.", "eval.every", "dist.",
+                     "rollout.placement", "rollout.generator_ranks")
 
 
 def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -27,6 +27,7 @@ from grpo_cli.collect import Groups, collect_groups
 from grpo_cli.config import TrainConfig
 from grpo_cli.console import make_console, summary_lines
 from grpo_cli.dist import COLLECTIVE_SECONDS, Dist
+from grpo_cli.dist.ranks import split_roles
 from grpo_cli.engines.base import NO_LOGPROBS, Engine, Sampling
 from grpo_cli.generator import is_generator_rank, serve
 from grpo_cli.heldout import add_greedy_metrics, flatten, heldout_metrics
@@ -143,7 +144,7 @@ class RunOutput:
         cfg, world = self.cfg, self.dist.world_size
         ranks = f" | {world} processes (FSDP2, an engine each)" if world > 1 else ""
         if cfg.rollout.placement == "split":
-            ranks = " | 2 processes: rank 0 trains, rank 1 generates (rollout.placement=split)"
+            ranks = f" | {split_roles(cfg.trainer_ranks, world + cfg.rollout.generator_ranks)} (rollout.placement=split)"
         self.console.info(f"grpo train: {cfg.task} | model {model_path} | engine {cfg.rollout.engine} | "
                           f"{cfg.trainer.steps} steps of {cfg.rollout.prompts_per_step} prompts x "
                           f"{cfg.rollout.group_size}{ranks} | run dir {self.run_dir}")

@@ -5,6 +5,7 @@ or with rollouts sampled ahead (rollout.max_staleness, docs/async.md).
     python scripts/bench_dist.py --steps 10 --configs sync1,sync2 --out dist.json
     python scripts/bench_dist.py --configs sync1,k1_thread,k1_off     # K=1 at one process: beside vs after the update
     python scripts/bench_dist.py --configs sync1,sync2,split_k0,split_k1   # issue 26's table (about 10 minutes)
+    python scripts/bench_dist.py --configs split_k1,split_1t2g,split_2t1g   # 1+1, 1+2, 2+1 trainers+generators
     python scripts/bench_dist.py --configs sync2 --extra rollout.tensor_parallel_size=2   # one engine over both ranks
 
 Each configuration runs `grpo train recipe=bike_pricing trainer.steps=STEPS` in its own
@@ -18,12 +19,13 @@ after step 0 and no checkpoint before the end. From its metrics.jsonl, over step
   from the shards into the engine, and the engine's reload); with rollout.max_staleness > 0,
   wait_rollouts (the loop waiting for the batch sampled beside the update) and gen.ahead (the
   seconds the engine spent on a batch, beside or after an earlier step: not in s/step when
-  beside it); with rollout.placement=split, generate and push include the channel to rank 1;
+  beside it); with rollout.placement=split, generate and push include the lines to the generator ranks (push:
+  one broadcast of each tensor to every generator, and every engine's reload);
 - `dist/collective_s`: the seconds a step spends in the loop's own collectives (gathering
   rollouts, scores and metrics, summing statistics, the Ctrl-C vote), which sit inside the
   phases above; FSDP2's own communication is inside `update`, `logprobs` and `push`;
-- the peak resident memory of the largest rank (GiB); in a split job the trainer rank's, and the
-  generator rank's as gen. GiB.
+- the peak resident memory of the largest rank (GiB); in a split job trainer rank 0's, and the
+  largest generator rank's as gen. GiB.
 
 No assertion on timings: this is a measuring tool, not a test. On a 2-core machine two
 processes share the same two cores (one thread each), so N = 2 measures the cost of the
@@ -50,6 +52,10 @@ CONFIGS = {
     "k1_off": (1, ["rollout.max_staleness=1", "rollout.overlap=off"]),  # the same batches, sampled after the update
     "split_k0": (2, ["rollout.placement=split"]),  # rank 0 trains, rank 1 generates, on-policy: each waits on the other
     "split_k1": (2, ["rollout.placement=split", "rollout.max_staleness=1"]),  # rank 1 samples step t+1 while t trains
+    # 1 trainer + 2 generators (each samples half of the step's prompts; the weights reach both in one broadcast)
+    "split_1t2g": (3, ["rollout.placement=split", "rollout.max_staleness=1", "rollout.generator_ranks=2"]),
+    # 2 trainers (FSDP2 between them) + 1 generator
+    "split_2t1g": (3, ["rollout.placement=split", "rollout.max_staleness=1"]),
 }
 
 

@@ -278,9 +278,16 @@ def test_check_prints_the_batch_arithmetic_and_warns_about_settings_that_do_noth
                 "rollout.max_staleness=1")
     assert split.returncode == 0, split.stderr
     assert "per rank (1): 8 prompts, 64 completions" in split.stdout  # the trainer rank takes every prompt
-    assert "on the generator rank while the trainer steps; the engine does not sleep; " \
+    assert "on the generator ranks while the trainers step; the engine does not sleep; " \
            "trainer.mismatch_correction=tis" in split.stdout  # auto: tis with stale samples
-    assert "placement: split; rank 0 trains alone" in split.stdout and "rank 1 only generates" in split.stdout
+    assert "placement: split; 2 processes: rank 0 trains, rank 1 generates: the memory above is each trainer " \
+           "rank's (alone, no FSDP2, no engine)" in split.stdout
+    scaled = cli("check", "recipe=bike_pricing", "rollout.placement=split", "dist.nproc_per_node=4",
+                 "rollout.generator_ranks=2")
+    assert scaled.returncode == 0, scaled.stderr
+    assert "per rank (2): 4 prompts, 32 completions" in scaled.stdout  # the prompts shared by the two trainers
+    assert "4 processes: ranks 0-1 train (FSDP2), ranks 2-3 generate: the memory above is each trainer rank's " \
+           "(FSDP2 over 2, no engine)" in scaled.stdout
 
     warned = cli("check", "recipe=bike_pricing", "trainer.policy_loss=gspo", "rollout.group_size=2")
     assert warned.returncode == 0, warned.stderr

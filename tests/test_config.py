@@ -74,9 +74,18 @@ def test_trainer_loss_accepts_exactly_the_losses_table():
     (lambda: RolloutConfig(placement="apart"), "rollout.placement: 'apart' is not one of colocated, split"),
     (lambda: RolloutConfig(placement="split", engine="hf"), "rollout.placement: split gives the generator rank"),
     (lambda: TrainConfig(task="t", rewards=[RewardSpec(name="correct")], rollout=RolloutConfig(placement="split")),
-     "rollout.placement: split runs one trainer rank and one generator rank: set dist.nproc_per_node=2"),
-    (lambda: TrainConfig(task="t", rewards=[RewardSpec(name="correct")], rollout=RolloutConfig(placement="split"),
-                         dist=DistConfig(nproc_per_node=2, nnodes=2)), "rollout.placement: split runs one trainer"),
+     "rollout.placement: split needs at least one trainer rank besides rollout.generator_ranks=1, and the job has 1 "
+     "processes (dist.nproc_per_node=1 x dist.nnodes=1); e.g. dist.nproc_per_node=2"),
+    (lambda: TrainConfig(task="t", rewards=[RewardSpec(name="correct")],
+                         rollout=RolloutConfig(placement="split", generator_ranks=4),
+                         dist=DistConfig(nproc_per_node=2, nnodes=2)), "rollout.placement: split needs at least one "
+                                                                       "trainer rank besides rollout.generator_ranks=4"),
+    (lambda: RolloutConfig(generator_ranks=2), "rollout.generator_ranks: 2: only a split job has generator ranks"),
+    (lambda: RolloutConfig(placement="split", generator_ranks=0), "rollout.generator_ranks: must be >= 1"),
+    (lambda: TrainConfig(task="t", rewards=[RewardSpec(name="correct")],
+                         rollout=RolloutConfig(placement="split", prompts_per_step=5),
+                         dist=DistConfig(nproc_per_node=3)),  # two trainer ranks share the prompts
+     "rollout.prompts_per_step: 5 does not split over 2 processes"),
 ])
 def test_settings_that_cannot_sample_ahead_or_split_are_refused(build, message):
     """rollout.max_staleness > 0 samples while the trainer steps: what cannot run beside the update is refused

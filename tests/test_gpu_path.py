@@ -436,11 +436,18 @@ def test_check_counts_the_engine_where_the_run_puts_it_and_awake_when_it_samples
     assert updating == pytest.approx(trainer + engine, abs=0.15) and peak == updating > max(phases(base))  # each to 0.1
     split = cli("check", "recipe=bike_pricing_qwen7b_lora", "rollout.placement=split", "dist.nproc_per_node=2",
                 "rollout.max_staleness=1").stdout
-    assert f"peak {trainer:.1f} GiB on the trainer rank's GPU (its node's first; no engine there)" in split
-    assert f"the generator rank's GPU (the node's second; the first, beside the trainer, on a node of one): " \
-           f"vLLM {engine:.1f} GiB awake" in split and "throughout (a split job's engine never sleeps)" in split
-    assert "the generator rank's GPU (its own node's first)" in cli(
+    assert "GPUs (GPU 0 trains, GPU 1 generates; each rank its node's LOCAL_RANK-th)" in split
+    assert f"peak {trainer:.1f} GiB on each trainer rank's GPU (no engine there)" in split
+    assert f"each generator rank's GPU: vLLM {engine:.1f} GiB awake" in split \
+           and "throughout (a split job's engine never sleeps)" in split
+    assert "GPUs (node 0: GPU 0 trains; node 1: GPU 0 generates;" in cli(
         "check", "recipe=bike_pricing_qwen7b_lora", "rollout.placement=split", "dist.nnodes=2").stdout
+    scaled = cli("check", "recipe=bike_pricing_qwen7b_lora", "rollout.placement=split", "dist.nproc_per_node=4",
+                 "rollout.generator_ranks=2", "rollout.max_staleness=1").stdout
+    assert "GPUs (GPUs 0-1 train, GPUs 2-3 generate;" in scaled
+    sharded = float(re.search(r"peak ([\d.]+) GiB on each trainer rank's GPU", scaled).group(1))
+    assert sharded < trainer  # FSDP2 over the two trainer ranks
+    assert f"each generator rank's GPU: vLLM {engine:.1f} GiB awake" in scaled  # each engine holds the whole model
     refused = cli("check", "recipe=bike_pricing_qwen7b_lora", "rollout.placement=split", "dist.nproc_per_node=2",
                   "rollout.sleep_mode=on")
     assert refused.returncode == 2 and "rollout.sleep_mode: on: a split job's engine" in refused.stderr
@@ -466,9 +473,10 @@ def test_a_split_job_s_generator_rank_sees_only_its_own_gpu(monkeypatch):
         launch.bind_generator_gpu()
 
 
-def test_the_cli_binds_the_generator_s_gpu_before_it_opens_the_channel(monkeypatch):
-    """Under the launcher, a split job's rank 1 chooses its GPU before anything of CUDA or vLLM starts in it (the
-    channel is the first thing it opens); rank 0, the trainer, keeps every GPU (Dist.init takes cuda:0)."""
+def test_the_cli_binds_each_generator_s_gpu_before_it_opens_the_channel(monkeypatch):
+    """Under the launcher, each generator rank of a split job chooses its GPU (its node's LOCAL_RANK-th) before
+    anything of CUDA or vLLM starts in it (its lines are the first thing it opens); a trainer rank keeps every GPU
+    (Dist.init takes cuda:LOCAL_RANK). Split 1+1 on two GPUs, 1 trainer + 2 generators and 2 + 1 on three."""
     from grpo_cli import cli
     from grpo_cli.dist import channel, launch
 
@@ -481,21 +489,27 @@ def test_the_cli_binds_the_generator_s_gpu_before_it_opens_the_channel(monkeypat
         def recv(self):
             return "run-name", (None,)  # the run directory's name, and rank 0's resume decision (a new run)
 
-    def connect(rank, timeout_s):
-        seen.append((rank, os.environ.get("CUDA_VISIBLE_DEVICES")))
-        return Line()
+    def connect(rank, trainers, world_size, timeout_s):
+        seen.append((rank, trainers, os.environ.get("CUDA_VISIBLE_DEVICES")))
+        return channel.Links([Line()] * (world_size - trainers if rank == 0 else rank >= trainers), None)
 
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(channel, "connect", connect)
     monkeypatch.setattr(launch, "die_with_parent", lambda: None)
+    monkeypatch.setattr(launch, "share_from_rank0", lambda value: value)  # the trainers' broadcast, one process here
     monkeypatch.setattr(cli, "_run_hydra", lambda command, rest: 0)
     monkeypatch.setattr(cli, "_RUN_NAME", cli._RUN_NAME)
     monkeypatch.setattr(cli, "_SHARED_RESUME", None)
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    args = ["train", "recipe=bike_pricing", "rollout.placement=split", "dist.nproc_per_node=2"]
-    for rank in ("0", "1"):
-        for key, value in {"WORLD_SIZE": "2", "RANK": rank, "LOCAL_RANK": rank}.items():
-            monkeypatch.setenv(key, value)
-        assert cli.main(args) == 0
-    assert seen == [(0, None), (1, "1")]
+    for world, generators, want in [(2, 1, [(0, 1, None), (1, 1, "1")]),
+                                    (3, 2, [(0, 1, None), (1, 1, "1"), (2, 1, "2")]),
+                                    (3, 1, [(0, 2, None), (1, 2, None), (2, 2, "2")])]:
+        seen.clear()
+        monkeypatch.setattr(torch.cuda, "device_count", lambda world=world: world)
+        args = ["train", "recipe=bike_pricing", "rollout.placement=split", f"dist.nproc_per_node={world}",
+                f"rollout.generator_ranks={generators}", "rollout.prompts_per_step=4"]
+        for rank in map(str, range(world)):
+            monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+            for key, value in {"WORLD_SIZE": str(world), "RANK": rank, "LOCAL_RANK": rank}.items():
+                monkeypatch.setenv(key, value)
+            assert cli.main(args) == 0
+        assert seen == want

@@ -1,6 +1,7 @@
 """rollout.placement=split (tier 3: minutes): `grpo train` as 2 processes, rank 0 trains and rank 1 samples
-ahead with a vLLM engine on the shipped model, against one process sampling the same batches; either rank
-SIGKILLed and the job resumed; the job over two simulated nodes; a generator rank that fails as it starts; the channel's waits on each side. The one-process K=1 runs are in tests/test_async.py; the two files are apart so
+ahead with a vLLM engine on the shipped model, against one process sampling the same batches; 1 trainer + 2
+generators and 2 trainers + 1 generator against it; each kind of rank SIGKILLed and the job resumed; the job over
+two simulated nodes; a generator rank that fails as it starts; the channel's waits on each side. The one-process K=1 runs are in tests/test_async.py; the two files are apart so
 that the suite's two workers can run them side by side.
 """
 
@@ -18,7 +19,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
-WALL_CLOCK = ("time/", "elapsed_s", "tokens_per_s", "memory/")
+WALL_CLOCK = ("time/", "elapsed_s", "tokens_per_s", "memory/", "dist/collective_s")
 
 
 def logged(run_dir: Path) -> list[dict]:
@@ -146,14 +147,13 @@ def rank_pid(marker: str, rank: int) -> int | None:
     return None
 
 
-@pytest.mark.parametrize("victim, kind", [(1, "generator"), (0, "trainer")])
-def test_a_split_job_with_a_rank_killed_stops_at_once_and_resumes_bit_exactly(tmp_path, split_run, victim, kind):
-    """SIGKILL of either rank once the step-2 checkpoint is complete (the batch of step 3, sampled ahead, saved in
-    it): the job ends within seconds with a line naming the rank, leaves no process, and `resume=auto` finishes
-    with the uninterrupted job's weights and every logged value (issue 39)."""
-    out = tmp_path / "killed"
+def kill_after_step_2(out: Path, ranks: list[str], victim: int) -> tuple[Path, str]:
+    """Start the split job of `ranks` (its dist / rollout.generator_ranks overrides) with a checkpoint every 2 steps,
+    SIGKILL rank `victim` once the step-2 checkpoint is complete (the batch of step 3, sampled ahead, saved in it),
+    and check that the job ends within a minute with the launcher's line naming the rank and leaves no process.
+    Returns the run directory and the job's console output."""
     args = [sys.executable, "-m", "grpo_cli", "train", *SPLIT, f"output_dir={out}", "rollout.placement=split",
-            "dist.nproc_per_node=2", "checkpoint.every=2"]
+            *ranks, "checkpoint.every=2"]
     proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ONE_THREAD)
     deadline, marker = time.time() + 600, None
     while time.time() < deadline and proc.poll() is None and marker is None:
@@ -161,23 +161,75 @@ def test_a_split_job_with_a_rank_killed_stops_at_once_and_resumes_bit_exactly(tm
         time.sleep(0.05)
     assert marker is not None, "no checkpoint at step 2 appeared"
     pid = rank_pid(str(out), victim)
-    assert pid is not None, f"no {kind} rank found"
+    assert pid is not None, f"no rank {victim} found"
     os.kill(pid, signal.SIGKILL)
     killed = time.time()
-    _, err = proc.communicate(timeout=300)
+    console, err = proc.communicate(timeout=300)
     assert proc.returncode == 1 and time.time() - killed < 60, err[-3000:]
     assert f"grpo train: error: rank {victim} exited with signal SIGKILL" in err
     ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
     assert str(out) not in ps  # no rank left behind
     run_dir = marker.parents[2]
     assert not (run_dir / "checkpoints" / "final").exists()
-    resumed = subprocess.run(args + ["resume=auto"], cwd=REPO, capture_output=True, text=True, timeout=600,
-                             env=ONE_THREAD)
+    return run_dir, console
+
+
+def resume(out: Path, ranks: list[str]) -> None:
+    resumed = grpo_train(out, "rollout.placement=split", *ranks, "checkpoint.every=2", "resume=auto")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout and "at step 2" in resumed.stdout
+
+
+def test_a_split_job_with_its_trainer_killed_stops_at_once_and_resumes_bit_exactly(tmp_path, split_run):
+    """SIGKILL of the trainer rank after the step-2 checkpoint: the job ends within seconds with a line naming the
+    rank, leaves no process, and `resume=auto` finishes with the uninterrupted job's weights and every logged
+    value (issue 39)."""
+    out = tmp_path / "killed"
+    run_dir, _ = kill_after_step_2(out, ["dist.nproc_per_node=2"], victim=0)
+    resume(out, ["dist.nproc_per_node=2"])
     assert logged(run_dir) == logged(split_run)
     a, b = final(run_dir), final(split_run)
     assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+
+
+def test_two_generators_sample_what_one_does_and_a_killed_one_resumes_on_one(tmp_path, split_run):
+    """1 trainer + 2 generator ranks at K=1 (each generator samples its half of every step's prompts from the
+    prompts' own seeds, the weights reach both in one broadcast): generator rank 2 SIGKILLed after the step-2
+    checkpoint ends the job naming it; resumed with one generator (the number of generators may change on
+    resume), the job ends with every logged value and the weights of the uninterrupted 1 + 1 job, bit for bit."""
+    out = tmp_path / "two_generators"
+    run_dir, console = kill_after_step_2(out, ["dist.nproc_per_node=3", "rollout.generator_ranks=2"], victim=2)
+    assert "3 processes: rank 0 trains, ranks 1-2 generate" in console
+    assert (run_dir / "train-rank2.log").is_file()
+    steps = logged(run_dir)
+    assert steps == logged(split_run)[:len(steps)] and [m["step"] for m in steps] == [0, 1, 2]
+    resume(out, ["dist.nproc_per_node=2"])
+    assert logged(run_dir) == logged(split_run)
+    a, b = final(run_dir), final(split_run)
+    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+
+
+def test_two_trainers_beside_a_generator_train_as_two_colocated_ranks_and_resume_after_one_is_killed(tmp_path,
+                                                                                                   split_run):
+    """2 trainer ranks (FSDP2 between them) + 1 generator at K=1: the same samples as the 1 + 1 job (every reward
+    logged equal) and the weights of a colocated job of two ranks, bit for bit (against one trainer they differ
+    as any 2-rank FSDP2 job's do: the float sums' order). Trainer rank 1 SIGKILLed after the step-2 checkpoint ends
+    the job naming it; `resume=auto` ends with the colocated job's bits."""
+    colocated = grpo_train(tmp_path / "colocated", "dist.nproc_per_node=2")
+    assert colocated.returncode == 0, colocated.stderr[-3000:]
+    (colocated_dir,) = (tmp_path / "colocated" / "bike_pricing").iterdir()
+    out = tmp_path / "two_trainers"
+    ranks = ["dist.nproc_per_node=3"]
+    run_dir, console = kill_after_step_2(out, ranks, victim=1)
+    assert "3 processes: ranks 0-1 train (FSDP2), rank 2 generates" in console
+    resume(out, ranks)
+    assert logged(run_dir) == logged(colocated_dir)
+    a, b = final(run_dir), final(colocated_dir)
+    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+    rewards = [{k: v for k, v in m.items() if k.startswith(("reward", "groups/", "completion_len"))}
+               for m in logged(split_run)]
+    assert rewards == [{k: v for k, v in m.items() if k.startswith(("reward", "groups/", "completion_len"))}
+                       for m in logged(run_dir)]
 
 
 # Fault injection: the generator rank's engine raises as it starts
@@ -211,7 +263,7 @@ import sys, time
 from grpo_cli.dist import channel
 
 rank = int(sys.argv[1])
-line = channel.connect(rank, 1)
+line = channel.connect(rank, 1, 2, 1).channels[0]
 if rank == 0:  # the trainer: busy 3 s (an update, a checkpoint) before its next call, then waits on an answer
     time.sleep(3)
     line.send("generate")

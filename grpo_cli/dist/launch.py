@@ -46,9 +46,11 @@ def log_name(command: str, global_rank: int) -> str:
     return f"{command}.log" if global_rank == 0 else f"{command}-rank{global_rank}.log"
 
 
-def join_job(timeout_s: int) -> None:
+def join_job(timeout_s: int, store: Any = None, rank: int | None = None, world_size: int | None = None) -> None:
     """A worker's first step: the process group (gloo for CPU tensors, nccl for CUDA ones), with a
-    timeout so a rank that died or hangs fails the others' collectives instead of blocking forever."""
+    timeout so a rank that died or hangs fails the others' collectives instead of blocking forever. Every rank
+    of the job by default; a split job's trainer ranks join one of their own (`store`, `rank`, `world_size`:
+    dist/channel.py)."""
     import datetime
 
     import torch
@@ -58,7 +60,8 @@ def join_job(timeout_s: int) -> None:
         return
     die_with_parent()
     backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
-    torch_dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    own = {} if store is None else {"store": store, "rank": rank, "world_size": world_size}
+    torch_dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **own)
 
 
 def bind_generator_gpu() -> str | None:

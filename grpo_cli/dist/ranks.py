@@ -40,6 +40,34 @@ def contiguous_share(count: int, index: int, parts: int) -> range:
     return range(start, start + size + (index < extra))
 
 
+def split_roles(trainers: int, world_size: int) -> str:
+    """Which ranks of a split job (rollout.placement=split) do what, in words: "3 processes: ranks 0-1 train (FSDP2),
+    rank 2 generates". The trainers are the first ranks, the generators the last (config.TrainConfig.trainer_ranks)."""
+
+    def ranks(first: int, last: int) -> str:
+        return f"rank {first}" if first == last else f"ranks {first}-{last}"
+
+    train = f"{ranks(0, trainers - 1)} train{'s' if trainers == 1 else ' (FSDP2)'}"
+    generate = f"{ranks(trainers, world_size - 1)} generate{'s' if world_size - trainers == 1 else ''}"
+    return f"{world_size} processes: {train}, {generate}"
+
+
+def gpu_roles(trainers: int, nproc_per_node: int, nnodes: int) -> str:
+    """Which GPU of which node each rank of a split job holds (each rank takes its node's LOCAL_RANK-th GPU: a
+    trainer through trainer.device=auto, a generator shown only that one, launch.bind_generator_gpu)."""
+    nodes = []
+    for node in range(nnodes):
+        kinds = [("trains" if node * nproc_per_node + local < trainers else "generates") for local in range(nproc_per_node)]
+        parts = []
+        for kind in ("trains", "generates"):
+            gpus = [i for i, k in enumerate(kinds) if k == kind]
+            if gpus:
+                held = f"GPU {gpus[0]}" if len(gpus) == 1 else f"GPUs {gpus[0]}-{gpus[-1]}"
+                parts.append(f"{held} {kind if len(gpus) == 1 else kind.removesuffix('s')}")
+        nodes.append((f"node {node}: " if nnodes > 1 else "") + ", ".join(parts))
+    return "; ".join(nodes)
+
+
 @dataclass(frozen=True)
 class Dist:
     rank: int = 0  # this process's index in the job, 0..world_size-1
@@ -48,9 +76,10 @@ class Dist:
     device: torch.device | str = "cpu"  # the device every tensor of the loop is made on
 
     @classmethod
-    def init(cls, device: str = "cpu", alone: bool = False) -> Dist:
-        """This process's place in the job, from the launcher's environment (none: one process). `alone`: the
-        trainer rank of a split job (rollout.placement=split), which trains by itself.
+    def init(cls, device: str = "cpu", trainers: int | None = None) -> Dist:
+        """This process's place in the job, from the launcher's environment (none: one process). `trainers`: a
+        split job's trainer ranks (rollout.placement=split), which train among themselves, in a group of their own
+        (dist/channel.py); None: every rank of the job trains.
 
         `device` is trainer.device: "auto" is cuda:LOCAL_RANK when CUDA is present, else the CPU.
         """
@@ -64,8 +93,8 @@ class Dist:
         chosen = torch.device(device)
         if chosen.type == "cuda":
             torch.cuda.set_device(chosen)
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        if world_size == 1 or alone:
+        world_size = trainers or int(os.environ.get("WORLD_SIZE", "1"))
+        if world_size == 1:
             return cls(device=chosen)
         import torch.distributed as torch_dist
 

@@ -232,6 +232,39 @@ def test_two_trainers_beside_a_generator_train_as_two_colocated_ranks_and_resume
                        for m in logged(run_dir)]
 
 
+def running(pid: int) -> bool:
+    """Whether process `pid` still runs (a zombie waiting for its parent to reap it does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_kill_9_of_the_launcher_takes_every_trainer_and_generator_rank_with_it(tmp_path):
+    """SIGKILL of the launcher of a 1 trainer + 2 generators job once it trains: every rank (each started in a
+    session of its own by torchrun's agent) dies with it (PR_SET_PDEATHSIG), none is left running."""
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "grpo_cli", "train", *SPLIT, f"output_dir={out}",
+                             "rollout.placement=split", "dist.nproc_per_node=3", "rollout.generator_ranks=2",
+                             "trainer.steps=50"], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env=ONE_THREAD)
+    deadline, metrics = time.time() + 300, None
+    while time.time() < deadline and proc.poll() is None and metrics is None:
+        metrics = next(iter(out.glob("bike_pricing/*/metrics.jsonl")), None)
+        time.sleep(0.1)
+    assert metrics is not None, "the job never started training"
+    ranks = [rank_pid(str(out), r) for r in range(3)]
+    assert None not in ranks, ranks
+    proc.kill()
+    proc.wait()
+    deadline = time.time() + 30
+    while time.time() < deadline and any(map(running, ranks)):
+        time.sleep(0.1)
+    assert not [pid for pid in ranks if running(pid)]
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    assert str(out) not in ps
+
+
 # Fault injection: the generator rank's engine raises as it starts
 GENERATOR_FAILS = '''
 import os

@@ -270,6 +270,7 @@ def gpu_lines(cfg: TrainConfig, shape: dict[str, Any] | None, world_size: int) -
         moments, grads = params * 8 / world_size, params * FP32_BYTES / world_size
         ref = (params / world_size + gathered) * dtype_bytes if t.kl_coef > 0 else 0.0
     ref += teacher_bytes(cfg, world_size) or 0.0  # a distillation teacher in this process: frozen beside the reference
+    ref += reward_model_bytes(cfg) or 0.0  # the reward models, whole on each trainer rank
     held_while_generating = weights + ref + (0 if t.offload_optimizer else moments)
     prompts = r.prompts_per_step // world_size // t.minibatches
     tokens = prompts * PROMPT_TOKENS + t.micro_batch_size * r.trajectory_tokens  # the prompt pass + one micro-batch
@@ -277,7 +278,7 @@ def gpu_lines(cfg: TrainConfig, shape: dict[str, Any] | None, world_size: int) -
     logits = t.logprob_chunk_tokens * shape["vocab_size"] * FP32_BYTES * 3
     updating = weights + ref + moments + grads + activations + logits
     lines = [f"on a GPU, per rank (estimate; {m.dtype}, trainer.device=cuda): the trainer holds {updating / gib:.1f} "
-             f"GiB while it updates (weights {weights / gib:.1f}, reference{' + teacher' if cfg.distill.teacher and not cfg.distill.server else ''} {ref / gib:.1f}, gradients and AdamW "
+             f"GiB while it updates (weights {weights / gib:.1f}, reference{' + teacher' if cfg.distill.teacher and not cfg.distill.server else ''}{' + reward models' if any(spec.model for spec in cfg.rewards) else ''} {ref / gib:.1f}, gradients and AdamW "
              f"{(grads + moments) / gib:.1f}, activations {activations / gib:.1f} for {tokens} tokens: {prompts} "
              f"prompts of <= {PROMPT_TOKENS} and {t.micro_batch_size} completions of <= {r.trajectory_tokens}, one "
              f"logits chunk {logits / gib:.1f})"]
@@ -383,6 +384,38 @@ def teacher_bytes(cfg: TrainConfig, world_size: int) -> float | None:
     return (params / world_size + gathered) * DTYPE_BYTES[cfg.model.dtype]
 
 
+def reward_model_bytes(cfg: TrainConfig) -> float | None:
+    """What the recipe's reward models hold on each trainer rank through the run: each whole (not sharded), frozen,
+    in model.dtype; 0 without one, None when one's shape is unknown (not a local model directory)."""
+    total = 0.0
+    for spec in cfg.rewards:
+        if spec.model is None:
+            continue
+        shape = model_shape(spec.model)
+        if shape is None:
+            return None
+        total += parameter_count(shape) * DTYPE_BYTES[cfg.model.dtype]
+    return total
+
+
+def reward_model_lines(cfg: TrainConfig) -> list[str]:
+    """Each reward model: what it is, how it reads a sample, what it holds on each trainer rank."""
+    lines = []
+    for i, spec in enumerate(cfg.rewards):
+        if spec.model is None:
+            continue
+        shape = model_shape(spec.model)
+        held = ("no memory estimate (not a local model directory)" if shape is None else
+                f"{parameter_count(shape) / 1e6:.1f}M parameters, "
+                f"{parameter_count(shape) * DTYPE_BYTES[cfg.model.dtype] / 2**30:.3f} GiB per trainer rank in "
+                f"{cfg.model.dtype} (whole, frozen, on the trainer's device through the run)")
+        clip = f", clipped to +-{spec.clip:g}" if spec.clip is not None else ""
+        lines.append(f"reward model rewards[{i}] {spec.name} (weight {spec.weight:g}): {spec.model}, the "
+                     f"{spec.label or 'only'} logit ({spec.transform}{clip}) of prompt + completion "
+                     f"(template {spec.template}), {spec.batch_size} samples a pass; {held}")
+    return lines
+
+
 def teacher_line(cfg: TrainConfig, world_size: int) -> str:
     """distill.teacher: the objective, and where the teacher is: its memory on each trainer rank (on a GPU, inside the
     trainer's estimate above: gpu_lines), or the server that grades."""
@@ -412,6 +445,7 @@ def run_check(cfg: TrainConfig, run_dir: Any) -> int:
         lines.append(placement_line(cfg, shape))
     if cfg.distill.teacher:
         lines.append(teacher_line(cfg, trainers))
+    lines += reward_model_lines(cfg)
     lines.append(correctness_line(cfg))
     for line in lines:
         print(f"  {line}")

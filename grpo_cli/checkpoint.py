@@ -17,71 +17,22 @@ from grpo_cli.config import TrainConfig
 from grpo_cli.data import PromptCursor
 from grpo_cli.dist import Dist
 from grpo_cli.errors import UsageError
+from grpo_cli.model_files import (  # noqa: F401  where a model lives, also reachable from here
+    BUILTIN_PREFIX,
+    MODELS_DIR,
+    damaged_weights,
+    resolve_model_path,
+    safetensors_damage,
+)
 
 if TYPE_CHECKING:
     import torch
 
 
-BUILTIN_PREFIX = "builtin:"
-MODELS_DIR = Path(__file__).resolve().parent / "models"  # models shipped inside the package
 COMPLETE_MARKER = "checkpoint.json"  # written last; its presence marks a complete checkpoint
 # The layout of a resumable checkpoint (checkpoint.json, trainer_state.pt, optimizer/). A resume reads only
 # this version; a change to what those files hold raises it (see CHANGELOG.md).
 FORMAT_VERSION = 1
-
-
-def resolve_model_path(name_or_path: str) -> str:
-    """`builtin:NAME` -> the shipped model's directory; a local directory as is; else a hub id."""
-    if name_or_path.startswith(BUILTIN_PREFIX):
-        name = name_or_path[len(BUILTIN_PREFIX):]
-        path = MODELS_DIR / name
-        if not (path / "config.json").is_file():
-            shipped = sorted(p.name for p in MODELS_DIR.glob("*") if (p / "config.json").is_file())
-            raise FileNotFoundError(f"no built-in model '{name}'; shipped: {', '.join(shipped) or 'none'}")
-        return str(path)
-    path = Path(name_or_path).expanduser()
-    looks_local = path.exists() or name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") != 1
-    if looks_local and not (path / "config.json").is_file():
-        what = "does not exist" if not path.exists() else "has no config.json"
-        raise FileNotFoundError(f"model '{name_or_path}' {what}: expected a Hugging Face model directory "
-                                "(config.json + *.safetensors + tokenizer), a hub id owner/name, or builtin:NAME")
-    if looks_local and not any(path.glob("*.safetensors")):
-        raise FileNotFoundError(f"model '{name_or_path}' has no *.safetensors weights (pickled .bin weights are "
-                                "not loaded, for safety); convert it with save_pretrained(safe_serialization=True)")
-    return name_or_path
-
-
-def safetensors_damage(path: Path) -> str | None:
-    """Why a .safetensors file is not a whole one (truncated, not safetensors at all), or None.
-    Reads only the header: 8 bytes of length, a JSON table of tensors and their byte ranges."""
-    size = path.stat().st_size
-    if size < 8:
-        return f"{size} bytes, shorter than a safetensors header"
-    with path.open("rb") as f:
-        header_len = int.from_bytes(f.read(8), "little")
-        if not 2 <= header_len <= size - 8:
-            return "its header runs past the end of the file, so it is cut short or not safetensors"
-        try:
-            header = json.loads(f.read(header_len))
-        except (ValueError, UnicodeDecodeError):
-            return "its header is not valid JSON, so it is not safetensors"
-    ranges = [t.get("data_offsets") for k, t in header.items() if k != "__metadata__" and isinstance(t, dict)]
-    needed = 8 + header_len + max((r[1] for r in ranges if isinstance(r, list) and len(r) == 2), default=0)
-    if needed > size:
-        return f"{size:,} bytes where its header describes {needed:,}: cut short (an interrupted copy or download?)"
-    return None
-
-
-def damaged_weights(model_dir: str) -> str | None:
-    """"'FILE' is corrupted or truncated (why)" for the first bad *.safetensors in a local model directory,
-    else None. (`grpo eval` tells the same from safetensors' own reader when it opens a checkpoint.)"""
-    path = Path(model_dir)
-    if not path.is_dir():
-        return None  # a hub id: transformers and vLLM check what they download
-    for file in sorted(path.glob("*.safetensors")):
-        if reason := safetensors_damage(file):
-            return f"'{file}' is corrupted or truncated ({reason}); copy or save the model again"
-    return None
 
 
 def torch_dtype(name: str) -> torch.dtype:

@@ -107,12 +107,52 @@ class DataConfig:
 
 @dataclass
 class RewardSpec:
-    name: str = MISSING  # a built-in reward ("correct", "format") or "package.module:function"
+    name: str | None = None  # a built-in reward ("correct", "format") or "package.module:function"; with `model`, the learned reward's name in the metrics (default reward_model)
     weight: float = 1.0  # weight of this function in the summed reward
     args: dict[str, Any] = field(default_factory=dict)  # keyword arguments the function is called with, e.g. {buffer: 32}
-    timeout_s: float | None = 10.0  # time limit per call (one prompt's group), in a worker process killed on overrun; None = in-process, no limit
+    timeout_s: float | None = 10.0  # time limit per call (one prompt's group), in a worker process killed on overrun; None = in-process, no limit. A reward model in process has none (a forward pass over bounded text)
     on_failure: str = "zero"  # a sample it raised, timed out or returned junk on: "zero" (scores 0) | "drop" (leaves the loss)
     correctness: bool = False  # this reward is the task's correctness check (pass@1, zero-variance groups, best checkpoint); exactly one, or the only reward
+    # A learned reward (docs/rewards.md): a sequence classifier that scores the prompt and the completion.
+    model: str | None = None  # a reward model: a Hugging Face sequence classifier (directory, hub id or builtin:NAME); None = `name` is a function
+    label: str | None = None  # model: the label whose logit is the score (a classifier of several labels needs one); None = its only logit
+    transform: str = "raw"  # model: "raw" (the logit) | "sigmoid" (a probability in 0..1)
+    clip: float | None = None  # model: the transformed score clipped to [-clip, clip]; None = no clip
+    template: str = "auto"  # model: its input, "chat" (the reward model's chat template: the prompt as the user's turn, the completion as the assistant's) | "plain" (prompt, a newline, completion) | "auto" (chat when its tokenizer has a template)
+    batch_size: int = 32  # model: samples per forward pass (served: per request)
+    server: str | None = None  # model: None = in the trainer's process | "start" = a vLLM pooling server grpo starts on `model` for the run (stopped with it) | a URL of one you run (`vllm serve MODEL --runner pooling`); timeout_s bounds each request there
+    requests_in_flight: int = 4  # served: requests at once
+    server_start_timeout_s: float = 300.0  # server=start: seconds for the server to answer /health
+
+
+REWARD_TRANSFORMS = ("raw", "sigmoid")  # rewards[i].transform (rewards/model.py)
+REWARD_TEMPLATES = ("auto", "chat", "plain")  # rewards[i].template
+
+
+def check_reward_spec(spec: RewardSpec, key: str) -> None:
+    """One reward's settings, before anything loads; a reward model's name defaults to reward_model."""
+    if spec.model is not None and spec.name is None:
+        spec.name = "reward_model"
+    _require(spec.name is not None, f"{key}.name", "missing: give a reward function (a built-in name or "
+             "package.module:function), or a reward model as model=DIR_OR_HUB_ID")
+    if spec.model is None:
+        learned = [k for k in ("label", "clip", "server") if getattr(spec, k) is not None]
+        learned += [k for k, default in (("transform", "raw"), ("template", "auto"), ("batch_size", 32),
+                                         ("requests_in_flight", 4), ("server_start_timeout_s", 300.0))
+                    if getattr(spec, k) != default]
+        _require(not learned, f"{key}.{learned[0] if learned else ''}", "is a reward model's setting; this reward is "
+                 f"the function '{spec.name}' (set {key}.model to score with a reward model)")
+        return
+    _require(spec.transform in REWARD_TRANSFORMS, f"{key}.transform",
+             f"'{spec.transform}' is not one of {', '.join(REWARD_TRANSFORMS)}")
+    _require(spec.template in REWARD_TEMPLATES, f"{key}.template",
+             f"'{spec.template}' is not one of {', '.join(REWARD_TEMPLATES)}")
+    _require(spec.clip is None or spec.clip > 0, f"{key}.clip", f"{spec.clip} must be > 0 (or null for none)")
+    _require(spec.batch_size >= 1, f"{key}.batch_size", "must be >= 1")
+    _require(spec.requests_in_flight >= 1, f"{key}.requests_in_flight", "must be >= 1")
+    _require(spec.server_start_timeout_s > 0, f"{key}.server_start_timeout_s", "must be > 0")
+    _require(spec.server is None or spec.server == "start" or spec.server.startswith(("http://", "https://")),
+             f"{key}.server", f"'{spec.server}' is not start or an http(s):// URL")
 
 
 @dataclass
@@ -454,6 +494,7 @@ class TrainConfig:
         _require(len(self.rewards) > 0, "rewards", "no reward functions; add e.g. rewards=[{name:correct,weight:1.0}]")
         for i, spec in enumerate(self.rewards):
             _require(spec.weight == spec.weight, f"rewards[{i}].weight", "is NaN")
+            check_reward_spec(spec, f"rewards[{i}]")
         marked = [f"rewards[{i}] {spec.name}" for i, spec in enumerate(self.rewards) if spec.correctness]
         _require(len(marked) == 1 or (len(self.rewards) == 1 and not marked), "rewards",
                  f"{len(marked)} rewards are marked correctness: true ({', '.join(marked) or 'none'}); mark exactly one, "
@@ -474,6 +515,10 @@ class TrainConfig:
                  f"a served teacher's logprobs are of its untempered distribution, and rollout.temperature is "
                  f"{self.rollout.temperature:g}: load the teacher in the trainer's process (distill.server=null), "
                  "which grades at the sampling temperature")
+        for i, spec in enumerate(self.rewards):
+            _require(spec.server != "start" or self.dist.nnodes == 1, f"rewards[{i}].server",
+                     "start runs the reward model's server on this node's loopback, which other nodes cannot reach: "
+                     "start it yourself where every node reaches it and give its URL")
         _require(self.distill.server != "start" or self.dist.nnodes == 1, "distill.server",
                  "start runs the teacher's server on this node's loopback, which other nodes cannot reach: start it "
                  "yourself where every node reaches it and give its URL")

@@ -52,6 +52,7 @@ from grpo_cli.heldout import HeldoutSet, add_greedy_metrics, heldout_metrics
 from grpo_cli.lora import merged_checkpoint_tensors
 from grpo_cli.prompts import render_row
 from grpo_cli.rewards import WeightedReward, load_rewards, validate_columns
+from grpo_cli.rewards.model import close_reward_models
 from grpo_cli.rollout import sample_seeds
 from grpo_cli.runtime import cpu_threads, quiet_third_party, set_threads
 from grpo_cli.setup import check_tool_run
@@ -153,7 +154,11 @@ def run(cfg: EvalCommandConfig, run_dir: Path | None = None, engine: VLLMEngine 
     reward_fns = load_rewards(cfg.rewards)
     validate_columns(rows, reward_fns)
 
-    results, all_samples = evaluate_targets(cfg, targets, rows, reward_fns, the_run, samples_path is not None, engine)
+    try:
+        results, all_samples = evaluate_targets(cfg, targets, rows, reward_fns, the_run, samples_path is not None,
+                                                engine)
+    finally:
+        close_reward_models(reward_fns)  # a server started for a reward model (rewards[i].server=start)
     print_table(cfg, targets, results)
     payload: Any = results[0] if len(results) == 1 else {"checkpoints": results}
     _write_atomically(out_path, json.dumps(payload, indent=2) + "\n")

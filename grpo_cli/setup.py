@@ -49,11 +49,13 @@ from grpo_cli.lora import check_targets, with_adapters
 from grpo_cli.optim import build_optimizer
 from grpo_cli.prompts import render_row
 from grpo_cli.rewards.load import TOOL_RUN_ONLY
+from grpo_cli.rewards.model import place_reward_models
 from grpo_cli.runs import step_checkpoints
 from grpo_cli.runtime import cpu_threads, set_threads
+from grpo_cli.served import served_model
 from grpo_cli.state import RunState, Start, Task
 from grpo_cli.sync import push
-from grpo_cli.teacher import ServedTeacher, served_model, start_server
+from grpo_cli.teacher import START_HINT, ServedTeacher, start_server
 from grpo_cli.tools import load_tools
 from grpo_cli.tools.chat import ChatFormat
 from grpo_cli.tools.environment import check_rows
@@ -103,7 +105,7 @@ def preflight(cfg: TrainConfig) -> Task:
     tokenizer = load_tokenizer(model_path)
     teacher_path = check_teacher(cfg.distill.teacher, cfg.model.name_or_path, tokenizer) if cfg.distill.teacher else None
     if cfg.distill.server not in (None, "start"):
-        served_model(cfg.distill.server)  # a server given by URL answers, before any model loads
+        served_model(cfg.distill.server, "distill.server", START_HINT)  # a server given by URL answers, before any model loads
     task = Task(train_rows, heldout_rows, reward_fns, model_path, tokenizer, cfg.data, tools, teacher_path)
     check_prompt_lengths(task, cfg)
     if tools and cfg.rollout.tool_format == "chat":  # its tool role and its call syntax, before any model loads
@@ -272,6 +274,7 @@ def start_run(cfg: TrainConfig, task: Task, run_dir: Path, engine: Engine | None
         reference = shard_model(load_policy(task.model_path, cfg.model.dtype).to(dist.device).eval()
                                 .requires_grad_(False), dist, cfg.dist.reshard_layers)
     teacher = load_teacher(cfg, task, dist, run_dir)
+    place_reward_models(task.reward_fns, dist.device, cfg.model.dtype, run_dir)  # frozen beside the policy, or served
     engine = build_engine(cfg, task, weights, policy, dist, engine)
     if lora.enabled:  # the engine serves the base: it takes the adapters (B = 0 in a new run) before the first step
         push(engine, policy)
@@ -307,7 +310,7 @@ def load_teacher(cfg: TrainConfig, task: Task, dist: Dist, run_dir: Path) -> tor
     url = dist.broadcast(started.url if started is not None else d.server)
     if started is not None:
         return started
-    return ServedTeacher(url, served_model(url), d.request_timeout_s, d.requests_in_flight)
+    return ServedTeacher(url, served_model(url, "distill.server", START_HINT), d.request_timeout_s, d.requests_in_flight)
 
 
 def teacher_engine(cfg: TrainConfig, task: Task, teacher: torch.nn.Module, dist: Dist) -> Engine:

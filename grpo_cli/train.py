@@ -35,6 +35,7 @@ from grpo_cli.loggers import NullLogger, make_logger
 from grpo_cli.lora import summary
 from grpo_cli.metrics import rank_metrics, step_metrics
 from grpo_cli.plot import plot_runs
+from grpo_cli.rewards.model import close_reward_models
 from grpo_cli.rollout import sample_seeds
 from grpo_cli.runs import prune_checkpoints
 from grpo_cli.runtime import quiet_third_party
@@ -116,6 +117,7 @@ def run(cfg: TrainConfig, run_dir: Path, engine: Engine | None = None) -> int:
             ahead.close()
         out.close()
         close_tools(task.tools)  # the tools' and the environment's workers
+        close_reward_models(task.reward_fns)  # the servers this run started for its reward models
         if isinstance(state.teacher, ServedTeacher):
             state.teacher.close()  # the teacher's server, when this run started it
     state.dist.barrier()  # every rank is done; then a normal exit (destroy_process_group aborts on gloo: docs/design.md)

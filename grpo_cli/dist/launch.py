@@ -22,6 +22,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 from grpo_cli.runtime import cpu_threads
+from grpo_cli.served import LAUNCHER_PID_ENV  # the agent's pid, for a worker to see whether it is still there
 from grpo_cli.config import DistConfig
 
 # How long the agent waits for the workers after a Ctrl-C (they end the step and checkpoint) or after
@@ -29,7 +30,6 @@ from grpo_cli.config import DistConfig
 # dist.timeout_s is used: a step, an evaluation and a checkpoint must fit in it.
 
 
-LAUNCHER_PID_ENV = "GRPO_LAUNCHER_PID"  # the agent's pid, for a worker to see whether it is still there
 
 
 def under_launcher() -> bool:

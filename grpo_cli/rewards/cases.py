@@ -17,6 +17,7 @@ from typing import Any
 from grpo_cli.errors import UsageError
 from grpo_cli.rewards.answers import as_text
 from grpo_cli.rewards.load import RESERVED, correctness_name, load_rewards, needed_columns
+from grpo_cli.rewards.model import close_reward_models
 from grpo_cli.rewards.score import RewardFailures, SampleContext, score
 
 _CASE_KEYS = ("completion", "expected", "note", "tool_calls", "trajectory")  # everything else is a dataset column
@@ -51,21 +52,47 @@ def read_cases(path_text: str) -> list[dict]:
     return cases
 
 
-def expected_scores(case: dict, reward_names: list[str], correctness: str, where: str) -> dict[str, float]:
-    """A case's `expected` as {function name: value}; a bare number is the correctness reward's value."""
+Expected = float | tuple[float | None, float | None]  # a value, or a range [low, high] (None: open on that side)
+
+
+def expected_scores(case: dict, reward_names: list[str], correctness: str, where: str) -> dict[str, Expected]:
+    """A case's `expected` as {function name: value or [low, high]}; a bare number is the correctness reward's
+    value. A range is for a reward model, whose exact scores change whenever it is retrained."""
     expected = case.get("expected")
     if expected is None:
         return {}
     if isinstance(expected, int | float):
         return {correctness: float(expected)}
     if isinstance(expected, dict):
+        out: dict[str, Expected] = {}
         for name, value in expected.items():
             if name not in reward_names:
                 raise UsageError(f"{where}: expected names '{name}', not a reward of this recipe ({reward_names})")
-            if not isinstance(value, int | float):
-                raise UsageError(f"{where}: expected value for '{name}' must be a number, got {value!r}")
-        return {name: float(value) for name, value in expected.items()}
-    raise UsageError(f"{where}: 'expected' must be a number or {{name: number}}, got {expected!r}")
+            if isinstance(value, int | float):
+                out[name] = float(value)
+            elif (isinstance(value, list) and len(value) == 2 and any(v is not None for v in value)
+                  and all(v is None or isinstance(v, int | float) for v in value)):
+                out[name] = (None if value[0] is None else float(value[0]), None if value[1] is None else float(value[1]))
+            else:
+                raise UsageError(f"{where}: expected value for '{name}' must be a number or a range [low, high] "
+                                 f"(null for an open end), got {value!r}")
+        return out
+    raise UsageError(f"{where}: 'expected' must be a number or {{name: number or [low, high]}}, got {expected!r}")
+
+
+def meets(value: float, expected: Expected) -> bool:
+    """Whether a score is the expected value (to 1e-9) or within the expected range."""
+    if isinstance(expected, tuple):
+        low, high = expected
+        return (low is None or value >= low) and (high is None or value <= high)
+    return math.isclose(value, expected, abs_tol=1e-9)
+
+
+def shown(expected: Expected) -> str:
+    if isinstance(expected, tuple):
+        low, high = expected
+        return f"[{'' if low is None else f'{low:g}'}, {'' if high is None else f'{high:g}'}]"
+    return f"{expected:g}"
 
 
 def _preview(completion: Any, width: int = 40) -> Any:
@@ -79,21 +106,31 @@ def _preview(completion: Any, width: int = 40) -> Any:
     return Text(text if len(text) <= width else text[: width - 1] + "…")
 
 
-def _cell(value: float, expected: float | None, failed: bool) -> str:
+def _cell(value: float, expected: Expected | None, failed: bool) -> str:
     if failed:
         return "[red]ERR[/red]"
-    if expected is not None and not math.isclose(value, expected, abs_tol=1e-9):
-        return f"[red]{value:g}≠{expected:g}[/red]"
+    if expected is not None and not meets(value, expected):
+        return f"[red]{value:g}∉{shown(expected)}[/red]" if isinstance(expected, tuple) else \
+            f"[red]{value:g}≠{expected:g}[/red]"
     return f"{value:g}"
 
 
 def run_cases(config: Any, run_dir: Any) -> int:
     """`grpo reward recipe=NAME cases=FILE.jsonl`: score every case with the recipe's rewards, check `expected`."""
+
+    rewards = load_rewards(config.rewards)
+    try:
+        return score_cases(config, rewards)
+    finally:
+        close_reward_models(rewards)  # a server started for a reward model (rewards[i].server=start)
+
+
+def score_cases(config: Any, rewards: list) -> int:
+    """run_cases with the rewards loaded: the table, and 1 when a case fails."""
     from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
 
-    rewards = load_rewards(config.rewards)
     names = [r.name for r in rewards]
     cases = read_cases(config.cases)
     wheres = [f"{config.cases}:{c['_line']}" for c in cases]
@@ -129,7 +166,7 @@ def run_cases(config: Any, run_dir: Any) -> int:
             failures.record(name, count, f"{where}: {case_failures.last_error[name]}")
         for name in names:
             totals[name] += per_function[name][0]
-        mismatched = [n for n, v in expected.items() if not math.isclose(per_function[n][0], v, abs_tol=1e-9)]
+        mismatched = [n for n, v in expected.items() if not meets(per_function[n][0], v)]
         if case_failures.counts or mismatched:
             failed += 1
             result = "[red]FAIL[/red]"
@@ -140,7 +177,7 @@ def run_cases(config: Any, run_dir: Any) -> int:
             unchecked += 1
             result = "-"
         cells = [_cell(per_function[n][0], expected.get(n), n in case_failures.counts) for n in names]
-        shown_expected = " ".join(f"{n}={v:g}" for n, v in expected.items()) or "-"
+        shown_expected = " ".join(f"{n}={shown(v)}" for n, v in expected.items()) or "-"
         table.add_row(str(case["_line"]), _preview(case["completion"]), *cells, shown_expected, result)
 
     console = Console(width=max(Console().width, 100))

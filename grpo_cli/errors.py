@@ -1,4 +1,5 @@
-"""The two exceptions the CLI prints as one line without a traceback, and the one-line form of any error.
+"""The two exceptions the CLI prints as one line without a traceback, a reward server's failure, and the one-line
+form of any error.
 
 They live apart from cli.py so that library modules (data, rewards, train, ...) can raise them
 without importing the command-line layer.
@@ -14,6 +15,11 @@ class RunFailure(Exception):
     """A run stopped for a reason one line explains (a reward that fails on most samples, too many
     non-finite steps in a row, an engine that holds stale weights): exit code 1; the traceback goes to
     the run's log."""
+
+
+class Unreachable(RuntimeError):
+    """A learned reward's server did not answer after its tries: the call's samples all fail at once (no retry
+    one sample at a time, which against a stalled server would cost a timeout per sample; rewards/score.py)."""
 
 
 def one_line(exc: BaseException, limit: int = 300) -> str:

@@ -20,7 +20,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from grpo_cli.errors import RunFailure, UsageError
+from grpo_cli.errors import RunFailure, Unreachable, UsageError
 
 HEALTH_POLL_S = 1.0  # between readiness checks of a starting server
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"  # what `vllm serve` runs
@@ -99,3 +99,61 @@ def start_server(model_path: str, served_name: str, args: list[str], log_path: P
     why = f"exited with {process.returncode}" if process.returncode is not None else f"not ready after {timeout_s:g} s"
     raise RunFailure(f"{key}=start: the vLLM server on {model_path} {why}; its log ({log_path}) ends:\n"
                      + "\n".join(tail))
+
+
+REQUEST_TRIES = 3  # a request that fails (connection, 5xx, timeout) is sent this many times in all
+
+
+class ServerLink:
+    """A learned reward's server (rewards[i].server): a URL the user runs, checked when the reward loads, or
+    `start`, a server on the reward's model that this process starts when the run places the reward (or on first
+    use, in `grpo reward` and `grpo eval`) and stops on `close`."""
+
+    def __init__(self, setting: str, model_path: str, key: str, start_args: list[str], start_timeout_s: float,
+                 request_timeout_s: float, served_name: str) -> None:
+        self.setting, self.model_path, self.key, self.start_args = setting, model_path, key, start_args
+        self.start_timeout_s, self.request_timeout_s = start_timeout_s, request_timeout_s
+        self.started: Server | None = None
+        self.url: str | None = None
+        self.name = served_name
+        self.failing = False  # the last request failed every try
+        if setting != "start":
+            self.url = setting.rstrip("/")
+            self.name = served_model(self.url, f"{key}.server", f"set {key}.server=start to have grpo start one "
+                                     f"on {key}.model")
+
+    def ready(self, dtype: str = "float32", log_dir: Any = None) -> str:
+        """The server's URL, started now (in `dtype`, its log in `log_dir`) if this process starts it."""
+        if self.url is None:
+            import tempfile
+
+            log = Path(log_dir or tempfile.gettempdir()) / f"{self.key.replace('[', '').replace(']', '')}_server.log"
+            self.started = start_server(self.model_path, self.name, ["--dtype", dtype, *self.start_args], log,
+                                        self.start_timeout_s, f"{self.key}.server")
+            self.url = self.started.url
+        return self.url
+
+    def post(self, path: str, body: dict[str, Any]) -> Any:
+        """One request to the server, REQUEST_TRIES tries (one while the server is failing), each bounded by the
+        reward's timeout_s; then `Unreachable` naming the server: the scorer fails the call's samples at once, and
+        skips the reward for the rest of a scoring after 3 such calls in a row (rewards/score.py). A stalled server
+        costs a step at most REQUEST_TRIES + 2 timeouts, a dead one three refused connections."""
+        url = self.ready()
+        tries = 1 if self.failing else REQUEST_TRIES  # a server that just failed gets one try, until it answers
+        last: Exception | None = None
+        for _ in range(tries):
+            try:
+                answer = post_json(f"{url}{path}", {"model": self.name, **body}, self.request_timeout_s)
+                self.failing = False
+                return answer
+            except (OSError, ValueError) as e:  # URLError and timeouts are OSErrors
+                last = e
+        self.failing = True
+        raise Unreachable(f"{self.key}.server at {url} failed {tries} time{'s' if tries > 1 else ''} "
+                          f"({type(last).__name__}: {last})")
+
+    def close(self) -> None:
+        """Stop the server this process started; one given by URL is the user's and keeps running."""
+        if self.started is not None:
+            self.started.stop()
+            self.started, self.url = None, None

@@ -48,8 +48,7 @@ from grpo_cli.heldout import HeldoutSet
 from grpo_cli.lora import check_targets, with_adapters
 from grpo_cli.optim import build_optimizer
 from grpo_cli.prompts import render_row
-from grpo_cli.rewards.load import TOOL_RUN_ONLY
-from grpo_cli.rewards.model import place_reward_models
+from grpo_cli.rewards.load import TOOL_RUN_ONLY, place_reward_models
 from grpo_cli.runs import step_checkpoints
 from grpo_cli.runtime import cpu_threads, set_threads
 from grpo_cli.served import served_model

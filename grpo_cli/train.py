@@ -35,7 +35,7 @@ from grpo_cli.loggers import NullLogger, make_logger
 from grpo_cli.lora import summary
 from grpo_cli.metrics import rank_metrics, step_metrics
 from grpo_cli.plot import plot_runs
-from grpo_cli.rewards.model import close_reward_models
+from grpo_cli.rewards.load import close_reward_models
 from grpo_cli.rollout import sample_seeds
 from grpo_cli.runs import prune_checkpoints
 from grpo_cli.runtime import quiet_third_party

@@ -102,14 +102,14 @@ def test_a_reward_model_s_settings_are_checked_with_their_key():
     assert spec.name == "reward_model"  # the metric's name when none is given
     refused = {
         "rewards[1].name: missing": RewardSpec(),
-        "rewards[1].label: is a reward model's setting; this reward is the function 'correct'":
+        "rewards[1].label: is a learned reward's setting; this reward is the function 'correct'":
             RewardSpec(name="correct", label="good"),
         "rewards[1].transform: 'exp' is not one of raw, sigmoid": RewardSpec(model="x", transform="exp"),
         "rewards[1].template: 'html' is not one of auto, chat, plain": RewardSpec(model="x", template="html"),
         "rewards[1].clip: 0.0 must be > 0": RewardSpec(model="x", clip=0.0),
         "rewards[1].batch_size: must be >= 1": RewardSpec(model="x", batch_size=0),
         "rewards[1].server: 'localhost:8000' is not start or an http(s):// URL": RewardSpec(model="x", server="localhost:8000"),
-        "rewards[1].server: is a reward model's setting": RewardSpec(name="format", server="start"),
+        "rewards[1].server: is a learned reward's setting": RewardSpec(name="format", server="start"),
     }
     for message, bad in refused.items():
         with pytest.raises(ConfigError) as err:
@@ -156,3 +156,80 @@ def test_grpo_reward_checks_a_reward_model_s_scores_against_ranges(tmp_path, cap
     assert meets(0.5, (0.0, None)) and not meets(0.5, (None, 0.4)) and meets(1.0, 1.0)
     with pytest.raises(UsageError, match=r"must be a number or a range \[low, high\]"):
         expected_scores({"expected": {"rm": [None, None]}}, ["rm"], "correct", "cases.jsonl:1")
+
+
+def test_a_judge_s_parsers_read_scores_and_leave_the_rest_unread():
+    from grpo_cli.rewards.judge import parse_score_10, parse_yes_no, regex_parser
+
+    assert [parse_score_10(r) for r in ("7/10", "I'd say 8 out of 10.", "Score: 3", "score is 10", "11/10",
+                                        "great", "")] == [0.7, 0.8, 0.3, 1.0, None, None, None]
+    assert [parse_yes_no(r) for r in ("Yes.", " no, because", "maybe yes", "")] == [1.0, 0.0, None, None]
+    grade = regex_parser("rewards[0]", r"Grade: ([A-F])|(\d+) points")
+    assert grade("12 points") is None and grade("Grade: B") is None  # a group that is not a number: unread
+    assert regex_parser("rewards[0]", r"(\d+) points")("it gets 12 points") == 12.0
+
+
+def test_a_judge_s_settings_are_checked_before_any_model_loads(tmp_path):
+    from grpo_cli.rewards import validate_columns
+
+    judge = dict(name="judge", judge="Q: {prompt}\nA: {completion}\nGold: {answer}\nScore:", server="http://127.0.0.1:9")
+    refused = {
+        "rewards[0].server: http://127.0.0.1:9 does not answer as a vLLM server": RewardSpec(**judge),
+        "rewards[0].judge: the template has no {completion}": RewardSpec(**{**judge, "judge": "Rate {prompt}"}),
+        "rewards[0].judge: {completion.upper} is not a name": RewardSpec(**{**judge, "judge": "{completion.upper}"}),
+        "rewards[0].judge: the template does not parse": RewardSpec(**{**judge, "judge": "{completion"}),
+        "rewards[0].parser: '(' is neither a parser": RewardSpec(**{**judge, "parser": "("}),
+        "rewards[0].parser: 'Score: \\d+' has no group": RewardSpec(**{**judge, "parser": r"Score: \d+"}),
+        "rewards[0].server: a judge is served": RewardSpec(**{**judge, "server": None}),
+        "rewards[0].model: server=start needs the judge's model": RewardSpec(**{**judge, "server": "start"}),
+    }
+    for message, spec in refused.items():
+        with pytest.raises(UsageError) as err:
+            load_rewards([spec])
+        assert str(err.value).startswith(message), str(err.value)
+    (started,) = load_rewards([RewardSpec(**{**judge, "server": "start", "model": "builtin:bike_base"})])
+    assert started.fn.server.url is None  # nothing starts until the run places it (or the first call)
+    with pytest.raises(UsageError, match=r"^row 0: no 'answer' column, which the rewards need"):
+        validate_columns([{"question": "q"}], [started])  # a column the template names, checked on the rows
+    spec = RewardSpec(judge="{completion}", server="start", model="x")
+    check_reward_spec(spec, "rewards[0]")
+    assert spec.name == "judge"
+
+
+@pytest.mark.slow
+def test_a_judge_on_a_real_vllm_server_scores_its_parsed_replies_and_fails_the_unreadable(tmp_path):
+    """rewards[i].judge with server=start: a real vLLM server on the shipped bike model (no chat template: the plain
+    prompt through /v1/completions, 3 prompts a request). Its greedy replies, asked again from the server directly,
+    parsed by the recipe's regex, are the scores; with the yes_no parser none of its replies reads, and every
+    sample fails (on_failure); `close` stops the server."""
+    from grpo_cli.served import post_json
+
+    template = "{prompt} The bill is {answer}.\n{completion}\nsubtotal:"
+    spec = dict(name="judge", judge=template, server="start", model="builtin:bike_base", parser=r"(\d+)\.",
+                max_tokens=12, batch_size=3, timeout_s=30.0)
+    (judge,) = load_rewards([RewardSpec(**spec)])
+    answers = ["36", "4", "240", "12", "9"]
+    completions = COMPLETIONS + ["e-bike: 3 x 4 = 12.00", "Answer: 9"]
+    prompts = PROMPTS + ["An e-bike costs 4 an hour. What do 3 hours cost?", "Price?"]
+    try:
+        scores = judge.fn(completions, prompt=prompts, answer=answers)
+        assert not judge.fn.chat and judge.fn.server.started is not None
+        texts = [template.format(prompt=p, answer=a, completion=c) for p, a, c in zip(prompts, answers, completions)]
+        raw = post_json(f"{judge.fn.server.url}/v1/completions", {"model": "judge", "prompt": texts, "max_tokens": 12,
+                                                                  "temperature": 0.0}, 60)
+        replies = [c["text"] for c in sorted(raw["choices"], key=lambda c: c["index"])]
+        import re
+
+        want = [float(m.group(1)) if (m := re.search(r"(\d+)\.", r)) else None for r in replies]
+        assert scores == want and any(s is not None for s in scores), (replies, scores)
+        (strict,) = load_rewards([RewardSpec(**{**spec, "name": "judge_yes_no", "parser": "yes_no",
+                                                "server": judge.fn.server.url})])
+        failures = RewardFailures()
+        scored = score([strict], completions, {"answer": answers}, "answer_line", failures,
+                       context=SampleContext(prompts=prompts))
+        assert failures.counts["judge_yes_no"] == 5 and scored.per_function["judge_yes_no"] == [0.0] * 5
+        assert "not a finite number" in failures.last_error["judge_yes_no"]
+    finally:
+        process = judge.fn.server.started.process if judge.fn.server.started else None
+        judge.fn.close()
+    assert process is not None and process.poll() is not None and judge.fn.server.started is None

@@ -16,8 +16,7 @@ from typing import Any
 
 from grpo_cli.errors import UsageError
 from grpo_cli.rewards.answers import as_text
-from grpo_cli.rewards.load import RESERVED, correctness_name, load_rewards, needed_columns
-from grpo_cli.rewards.model import close_reward_models
+from grpo_cli.rewards.load import RESERVED, close_reward_models, correctness_name, load_rewards, needed_columns
 from grpo_cli.rewards.score import RewardFailures, SampleContext, score
 
 _CASE_KEYS = ("completion", "expected", "note", "tool_calls", "trajectory")  # everything else is a dataset column

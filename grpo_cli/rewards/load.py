@@ -19,6 +19,7 @@ from typing import Any
 
 from grpo_cli.errors import UsageError
 from grpo_cli.rewards.builtin import BUILTIN_REWARDS, RewardFn
+from grpo_cli.rewards.judge import Judge
 from grpo_cli.rewards.model import RewardModel
 from grpo_cli.rewards.worker import RewardWorker
 
@@ -114,7 +115,9 @@ def load_rewards(specs: list) -> list[WeightedReward]:
         if on_failure not in ON_FAILURE:
             raise UsageError(f"rewards[{i}].on_failure: '{on_failure}' is not one of {', '.join(ON_FAILURE)}")
         worker = None
-        if spec.model is not None:  # a reward model, in this process: a forward pass has no time limit to keep
+        if spec.judge is not None:  # a judge: its server's requests carry their own time limit (timeout_s)
+            fn, timeout_s = Judge(f"rewards[{i}]", spec), None
+        elif spec.model is not None:  # a reward model: in this process a forward pass has no time limit to keep
             fn, timeout_s = RewardModel(f"rewards[{i}]", spec), None
         else:
             fn = load_reward(spec.name)
@@ -132,7 +135,10 @@ def correctness_name(rewards: list[WeightedReward]) -> str:
 
 def required_columns(fn: RewardFn) -> list[str]:
     """Dataset columns a reward function needs: its named parameters without defaults, after `completions`,
-    less those the scorer passes itself (`tool_calls`, `environment_state`, ...)."""
+    less those the scorer passes itself (`tool_calls`, `environment_state`, ...); a judge's, those its template
+    names."""
+    if isinstance(fn, Judge):
+        return list(fn.needed_columns)
     try:
         params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):
@@ -158,3 +164,21 @@ def validate_columns(rows: list[dict], needed: list, where: str = "row") -> None
             if column not in row or row[column] is None:
                 raise UsageError(f"{where} {i}: no '{column}' column, which the rewards need "
                                    f"(columns present: {', '.join(sorted(row)) or 'none'})")
+
+
+LEARNED = (RewardModel, Judge)  # the rewards that hold a model or a server
+
+
+def place_reward_models(rewards: list[WeightedReward], device: Any, dtype: str, log_dir: Any = None) -> None:
+    """Every learned reward ready to score: a reward model onto the trainer's device in model.dtype, loaded now,
+    or a server it starts (server=start) started, its log in `log_dir`."""
+    for reward in rewards:
+        if isinstance(reward.fn, LEARNED):
+            reward.fn.place(device, dtype, log_dir)
+
+
+def close_reward_models(rewards: list[WeightedReward]) -> None:
+    """Stop the servers this process started for its learned rewards."""
+    for reward in rewards:
+        if isinstance(reward.fn, LEARNED):
+            reward.fn.close()

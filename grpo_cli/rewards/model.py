@@ -6,9 +6,9 @@ sequence classifier, which logit is the score (its only one, or `rewards[i].labe
 a server given by URL answers. It is called like any reward, once per prompt's group, and scores in batches of
 `rewards[i].batch_size`, either in this process (its weights load on the first call, or where the run puts them:
 `place`, the trainer's device in model.dtype; no gradient) or on a vLLM pooling server (`rewards[i].server`: a
-URL, or `start`, a server grpo runs on the model for the run), `requests_in_flight` batches at a time, each
-request bounded by `timeout_s` and tried REQUEST_TRIES times; a batch that still fails fails its samples, which
-follow `on_failure` like any reward's. The text is rendered here either way, so both read the same tokens.
+URL, or `start`, a server grpo runs on the model for the run: served.ServerLink), `requests_in_flight` batches at
+a time, each request bounded by `timeout_s` and tried REQUEST_TRIES times; a batch that still fails fails its
+samples, which follow `on_failure` like any reward's. The text is rendered here either way, so both read the same tokens.
 
 A policy is pushed toward whatever the model pays for, which is not always what is right: log the task's own
 checker beside it (weight 0) to see the proxy and the gold score apart.
@@ -21,9 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 from grpo_cli.errors import UsageError
 from grpo_cli.model_files import damaged_weights, resolve_model_path
-from grpo_cli.served import Server, post_json, served_model, start_server
+from grpo_cli.served import ServerLink
 
-REQUEST_TRIES = 3  # a served batch that fails (connection, 5xx, timeout) is sent this many times in all
 SERVED_NAME = "reward_model"  # the model name a server started here answers to
 
 if TYPE_CHECKING:
@@ -84,42 +83,27 @@ class RewardModel:
         self.transform, self.clip, self.batch_size = TRANSFORMS[spec.transform], spec.clip, spec.batch_size
         self.device, self.dtype = "cpu", "float32"
         self.model: torch.nn.Module | None = None
-        # served: the server's URL and model name (a URL given: checked now; start: when the run places it)
-        self.server_setting, self.url, self.served_name = spec.server, None, None
-        self.timeout_s, self.in_flight, self.start_timeout_s = spec.timeout_s or 60.0, spec.requests_in_flight, \
-            spec.server_start_timeout_s
-        self.started: Server | None = None
-        if spec.server not in (None, "start"):
-            self.url = spec.server.rstrip("/")
-            self.served_name = served_model(self.url, f"{key}.server",
-                                            f"set {key}.server=start to have grpo start one on {key}.model")
+        # served (rewards[i].server): a URL, checked now, or a pooling server started when the run places it
+        self.server = None if spec.server is None else ServerLink(
+            spec.server, self.path, key, ["--runner", "pooling", "--max-model-len", str(self.max_tokens),
+                                          "--enforce-eager"], spec.server_start_timeout_s, spec.timeout_s or 60.0,
+            SERVED_NAME)
+        self.in_flight = spec.requests_in_flight
 
     def place(self, device: Any, dtype: str, log_dir: Any = None) -> None:
         """Ready to score: in this process, the weights loaded now, frozen, on `device` in `dtype` (the trainer's
         device and model.dtype); with server=start, the server started now in `dtype`, its log in `log_dir`."""
         self.device, self.dtype = device, dtype
-        if self.server_setting is None:
+        if self.server is None:
             self.model = None
             self._load()
-        elif self.server_setting == "start" and self.started is None:
-            self.start(log_dir)
-
-    def start(self, log_dir: Any = None) -> None:
-        """server=start: a vLLM pooling server on the model, for this process's run (stopped by `close`)."""
-        import tempfile
-        from pathlib import Path
-
-        log = Path(log_dir or tempfile.gettempdir()) / f"{self.key.replace('[', '').replace(']', '')}_server.log"
-        self.started = start_server(self.path, SERVED_NAME, ["--runner", "pooling", "--dtype", self.dtype,
-                                                             "--max-model-len", str(self.max_tokens), "--enforce-eager"],
-                                    log, self.start_timeout_s, f"{self.key}.server")
-        self.url, self.served_name = self.started.url, SERVED_NAME
+        else:
+            self.server.ready(dtype, log_dir)
 
     def close(self) -> None:
-        """Stop the server this process started; a server given by URL is the user's and keeps running."""
-        if self.started is not None:
-            self.started.stop()
-        self.started = None
+        """Stop the server this process started (none in process, or given by URL)."""
+        if self.server is not None:
+            self.server.close()
 
     def _load(self) -> torch.nn.Module:
         if self.model is None:
@@ -137,7 +121,7 @@ class RewardModel:
 
     def logits(self, texts: list[str]) -> list[float]:
         """The chosen logit of each text, `batch_size` texts a forward pass (or a request, when served)."""
-        if self.server_setting is not None:
+        if self.server is not None:
             return self.served_logits(texts)
         import torch
 
@@ -150,31 +134,23 @@ class RewardModel:
         return out
 
     def served_logits(self, texts: list[str]) -> list[float]:
-        """The same logits from the server's `/classify` (raw: no activation; the transform is applied here)."""
+        """The same logits from the server's `/classify` (raw: no activation; the transform is applied here),
+        `requests_in_flight` batches at a time."""
         from concurrent.futures import ThreadPoolExecutor
 
-        if self.url is None:  # server=start outside a run (grpo reward, grpo eval): started on first use
-            self.start()
+        self.server.ready(self.dtype)  # server=start outside a run (grpo reward, grpo eval): started on first use
         batches = [texts[first:first + self.batch_size] for first in range(0, len(texts), self.batch_size)]
         with ThreadPoolExecutor(min(self.in_flight, len(batches)) or 1) as pool:
             return [x for part in pool.map(self.classify, batches) for x in part]
 
     def classify(self, texts: list[str]) -> list[float]:
-        """One request: each text's chosen logit; REQUEST_TRIES tries, then the last error is raised (the scorer
-        marks the samples failed)."""
-        body = {"model": self.served_name, "input": texts, "use_activation": False,
-                "truncate_prompt_tokens": self.max_tokens, "truncation_side": "left"}
-        last: Exception | None = None
-        for _ in range(REQUEST_TRIES):
-            try:
-                data = sorted(post_json(f"{self.url}/classify", body, self.timeout_s)["data"], key=lambda d: d["index"])
-                if len(data) != len(texts):
-                    raise ValueError(f"{len(data)} results for {len(texts)} texts")
-                return [float(d["probs"][self.index]) for d in data]
-            except (OSError, ValueError, KeyError, IndexError, TypeError) as e:  # URLError and timeouts are OSErrors
-                last = e
-        raise RuntimeError(f"the reward model's server at {self.url} failed {REQUEST_TRIES} times "
-                           f"({type(last).__name__}: {last})")
+        """One request: each text's chosen logit."""
+        answer = self.server.post("/classify", {"input": texts, "use_activation": False,
+                                                "truncate_prompt_tokens": self.max_tokens, "truncation_side": "left"})
+        data = sorted(answer["data"], key=lambda d: d["index"])
+        if len(data) != len(texts):
+            raise ValueError(f"{self.key}.server gave {len(data)} results for {len(texts)} texts")
+        return [float(d["probs"][self.index]) for d in data]
 
     def scores(self, logits: list[float]) -> list[float]:
         """The transform, then the clip: the rewards of these logits."""
@@ -202,18 +178,3 @@ def logit_index(key: str, config: Any, label: str | None) -> int:
     if label not in names:
         raise UsageError(f"{key}.label: '{label}' is not one of the reward model's labels ({', '.join(map(str, names))})")
     return names.index(label)
-
-
-def place_reward_models(rewards: list[Any], device: Any, dtype: str, log_dir: Any = None) -> None:
-    """Every reward model of the loaded rewards ready to score: onto the trainer's device in model.dtype, loaded
-    now, or its server started (its log in `log_dir`)."""
-    for reward in rewards:
-        if isinstance(reward.fn, RewardModel):
-            reward.fn.place(device, dtype, log_dir)
-
-
-def close_reward_models(rewards: list[Any]) -> None:
-    """Stop the servers this process started for its reward models."""
-    for reward in rewards:
-        if isinstance(reward.fn, RewardModel):
-            reward.fn.close()

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 from grpo_cli.rewards.load import RESERVED, TOOL_RUN_ONLY, WeightedReward
 from grpo_cli.rewards.worker import call_in_process
 
-MAX_TIMEOUTS_IN_A_ROW = 3  # then a function's remaining calls in this scoring are skipped (a held-out set has 200 groups)
+MAX_TIMEOUTS_IN_A_ROW = 3  # then a function's remaining calls in this scoring are skipped (a held-out set has 200 groups); a server that does not answer counts as a timeout
 
 
 @dataclass
@@ -102,7 +102,7 @@ def _call_reward(reward: WeightedReward, completions: list, per_sample: dict[str
         group = {k: v[chunk] for k, v in per_sample.items()}
         chunk_scores, tag = _score_chunk(reward, completions[chunk], group, fixed, first, failed, reasons)
         scores += chunk_scores
-        timeouts_in_a_row = timeouts_in_a_row + 1 if tag == "timeout" else 0
+        timeouts_in_a_row = timeouts_in_a_row + 1 if tag in ("timeout", "unreachable") else 0
     if any(failed):
         failures.record(reward.name, sum(failed), reasons[-1] if reasons else "skipped after most samples failed")
     return scores, failed

@@ -17,7 +17,7 @@ import signal
 import time
 from typing import Any
 
-from grpo_cli.errors import one_line
+from grpo_cli.errors import Unreachable, one_line
 
 START_TIMEOUT_S = 120.0  # a worker's import of its module (e.g. math-verify, sympy) must finish in this time
 
@@ -55,9 +55,12 @@ def _serve(conn: Any, fn: Any) -> None:
 
 
 def call_in_process(fn: Any, completions: list, kwargs: dict[str, Any]) -> tuple[str, Any]:
-    """("ok", values) | ("raised", reason) | ("type", reason): one call, its failure told apart."""
+    """("ok", values) | ("raised", reason) | ("unreachable", reason) | ("type", reason): one call, its failure
+    told apart."""
     try:
         out = fn(completions, **kwargs)
+    except Unreachable as e:  # a learned reward's server: every sample of the call fails, none is retried alone
+        return "unreachable", one_line(e, 240)
     except (Exception, SystemExit) as e:  # SystemExit: argparse on a malformed argument, sys.exit() (issue 54)
         return "raised", f"raised {one_line(e, 240)}"
     if isinstance(out, str | bytes | dict) or not hasattr(out, "__iter__"):

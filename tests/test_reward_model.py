@@ -234,11 +234,20 @@ def test_a_judge_on_a_real_vllm_server_scores_its_parsed_replies_and_fails_the_u
         judge.fn.close()
     assert process is not None and process.poll() is not None and judge.fn.server.started is None
 @pytest.mark.slow
-def test_a_served_reward_model_scores_as_in_process_and_a_dead_server_fails_its_samples(tmp_path):
+def test_a_served_reward_model_scores_as_in_process_and_a_run_whose_server_dies_ends_with_one_line(tmp_path):
     """rewards[i].server=start: a real vLLM pooling server on the shipped bike_rm, started on first use (as in grpo
-    reward), gives the in-process scores to 1e-4 through /classify; the server killed, each call fails after its
-    tries and all its samples count as failed (on_failure), and `close` leaves no process."""
+    reward), gives the in-process scores to 1e-4 through /classify. A training run given that server's URL: the
+    server SIGKILLed once the run trains, the run ends (exit 1) with one line naming the reward, the step and the
+    server, its finished steps kept. Against the dead server each call fails at once and all its samples count as
+    failed (on_failure); `close` leaves no process."""
+    import json
     import os
+    import re
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
 
     from grpo_cli.cli import load_config
     from grpo_cli.data import load_splits
@@ -256,42 +265,10 @@ def test_a_served_reward_model_scores_as_in_process_and_a_dead_server_fails_its_
         assert there.fn.server.started is not None and there.fn.server.url.startswith("http://127.0.0.1:")
         assert max(abs(a - b) for a, b in zip(got, want)) < 1e-4, (got, want)
         assert len(set(round(x, 3) for x in want)) > 4  # the texts score apart
-        process = there.fn.server.started.process
-        os.killpg(process.pid, 9)
-        process.wait()
-        failures = RewardFailures()
-        scored = score([there], completions[:4], {}, "answer_line", failures, group_size=2,
-                       context=SampleContext(prompts=prompts[:4]))
-        assert failures.counts["reward_model"] == 4 and scored.per_function["reward_model"] == [0.0] * 4
-        assert "rewards[0].server at http://127.0.0.1:" in failures.last_error["reward_model"]
-        assert there.fn.server.failing  # the next request gets one try, until the server answers
-    finally:
-        there.fn.close()
-    assert there.fn.server.started is None
-
-
-@pytest.mark.slow
-def test_a_run_whose_reward_server_dies_ends_with_one_line(tmp_path):
-    """grpo train with the reward model served at a URL (a real vLLM pooling server, started here): the server
-    killed once the run trains, the run ends (exit 1) with one line naming the reward, the step and the server,
-    its finished steps kept; the user's server is not the run's to stop, and nothing of the run is left."""
-    import json
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-    from pathlib import Path
-
-    from grpo_cli.served import start_server
-
-    server = start_server(resolve_model_path("builtin:bike_rm"), "reward_model",
-                          ["--runner", "pooling", "--dtype", "float32", "--max-model-len", "512", "--enforce-eager"],
-                          tmp_path / "server.log", 300, "test")
-    try:
+        url, process = there.fn.server.url, there.fn.server.started.process
         run = subprocess.Popen([sys.executable, "-m", "grpo_cli", "train", "recipe=bike_pricing_rm", "trainer.steps=40",
                                 "rollout.prompts_per_step=4", "rollout.group_size=4", "eval.every=0",
-                                "checkpoint.every=0", "rollout.enforce_eager=true", f"rewards.0.server={server.url}",
+                                "checkpoint.every=0", "rollout.enforce_eager=true", f"rewards.0.server={url}",
                                 "rewards.0.timeout_s=5", f"output_dir={tmp_path / 'out'}"],
                                cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True)
@@ -302,19 +279,24 @@ def test_a_run_whose_reward_server_dies_ends_with_one_line(tmp_path):
                 break
             time.sleep(0.2)
         assert metrics is not None and run.poll() is None, "the run never trained"
-        os.killpg(server.process.pid, signal.SIGKILL)
-        server.process.wait()
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
         _, err = run.communicate(timeout=300)
-    finally:
-        server.stop()
-    assert run.returncode == 1, err[-3000:]
-    (line,) = [e for e in err.splitlines() if e.startswith("grpo train: error:")]
-    import re
+        assert run.returncode == 1, err[-3000:]
+        (line,) = [e for e in err.splitlines() if e.startswith("grpo train: error:")]
+        assert re.search(r"reward function 'reward_model' failed on \d+ of 16 samples at step \d+: ", line), line
+        assert f"rewards[0].server at {url} failed" in line and "Traceback" not in err
+        assert [json.loads(row)["step"] for row in metrics.read_text().splitlines()][:3] == [0, 1, 2]
 
-    assert re.search(r"reward function 'reward_model' failed on \d+ of 16 samples at step \d+: ", line), line
-    assert f"rewards[0].server at {server.url} failed" in line and "Traceback" not in err
-    steps = [json.loads(row)["step"] for row in metrics.read_text().splitlines()]
-    assert steps[:3] == [0, 1, 2]
+        failures = RewardFailures()
+        scored = score([there], completions[:4], {}, "answer_line", failures, group_size=2,
+                       context=SampleContext(prompts=prompts[:4]))
+        assert failures.counts["reward_model"] == 4 and scored.per_function["reward_model"] == [0.0] * 4
+        assert f"rewards[0].server at {url}" in failures.last_error["reward_model"]
+        assert there.fn.server.failing  # the next request gets one try, until the server answers
+    finally:
+        there.fn.close()
+    assert there.fn.server.started is None
 
 
 def test_grpo_check_prints_each_learned_reward_and_counts_one_in_process_on_the_gpu(capsys):

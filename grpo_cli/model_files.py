@@ -1,12 +1,14 @@
 """Where a model lives and whether its weights are whole: `builtin:NAME` (shipped inside the package), a local
-directory, or a hub id. Standard library only, so that the rewards (a reward model) and `grpo check` read it
-without the rest of the checkpoint code.
+directory, or a hub id. Standard library only (and the project's errors), so that the rewards (a reward model, a judge) and `grpo check`
+read it without the rest of the checkpoint code.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+
+from grpo_cli.errors import UsageError
 
 BUILTIN_PREFIX = "builtin:"
 MODELS_DIR = Path(__file__).resolve().parent / "models"  # models shipped inside the package
@@ -64,3 +66,15 @@ def damaged_weights(model_dir: str) -> str | None:
         if reason := safetensors_damage(file):
             return f"'{file}' is corrupted or truncated ({reason}); copy or save the model again"
     return None
+
+
+def checked_model_path(key: str, name_or_path: str) -> str:
+    """A model's directory (or hub id) from the recipe's `key`, its files there and undamaged; else a UsageError
+    naming the key."""
+    try:
+        path = resolve_model_path(name_or_path)
+    except FileNotFoundError as e:
+        raise UsageError(f"{key}: {e}") from None
+    if damage := damaged_weights(path):
+        raise UsageError(f"{key}: {damage}")
+    return path

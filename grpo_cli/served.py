@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -132,6 +133,16 @@ class ServerLink:
                                         self.start_timeout_s, f"{self.key}.server")
             self.url = self.started.url
         return self.url
+
+    def ask_all(self, ask: Callable[[Any], list[Any]], jobs: list[Any], in_flight: int, dtype: str) -> list[Any]:
+        """`ask(job)` (one request, a list of answers) for every job, `in_flight` at a time, the answers flattened
+        in job order; the server started first where this process starts it and has not (`grpo reward`, `grpo
+        eval`: on first use)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.ready(dtype)
+        with ThreadPoolExecutor(min(in_flight, len(jobs)) or 1) as pool:
+            return [answer for part in pool.map(ask, jobs) for answer in part]
 
     def post(self, path: str, body: dict[str, Any]) -> Any:
         """One request to the server, REQUEST_TRIES tries (one while the server is failing), each bounded by the

@@ -28,7 +28,6 @@ from grpo_cli.checkpoint import (
     load_tokenizer,
     load_trainer_state,
     read_info,
-    resolve_model_path,
     restore_trainer_state,
 )
 from grpo_cli.config import RewardSpec, TrainConfig, TrainerConfig
@@ -46,6 +45,7 @@ from grpo_cli.engines.vllm import VLLMEngine
 from grpo_cli.errors import UsageError
 from grpo_cli.heldout import HeldoutSet
 from grpo_cli.lora import check_targets, with_adapters
+from grpo_cli.model_files import checked_model_path
 from grpo_cli.optim import build_optimizer
 from grpo_cli.prompts import render_row
 from grpo_cli.rewards.load import TOOL_RUN_ONLY, place_reward_models
@@ -111,18 +111,6 @@ def preflight(cfg: TrainConfig) -> Task:
         ChatFormat.from_tokenizer(task.tokenizer, {t.schema["function"]["name"]: t.name for t in tools},
                                   cfg.rollout.tool_call_syntax, cfg.rollout.max_tool_calls)
     return task
-
-
-def checked_model_path(key: str, name_or_path: str) -> str:
-    """A model's directory (or hub id) from the recipe's `key`, its files there and undamaged; else a UsageError
-    naming the key."""
-    try:
-        path = resolve_model_path(name_or_path)
-    except FileNotFoundError as e:
-        raise UsageError(f"{key}: {e}") from None
-    if damage := damaged_weights(path):
-        raise UsageError(f"{key}: {damage}")
-    return path
 
 
 def check_teacher(teacher: str, student: str, tokenizer: Any) -> str:

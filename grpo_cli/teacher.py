@@ -19,14 +19,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from grpo_cli.errors import RunFailure
-from grpo_cli.served import Server, post_json
+from grpo_cli.served import REQUEST_TRIES, Server, post_json
 from grpo_cli.served import start_server as start_server_on
 
 if TYPE_CHECKING:
     import torch
 
 SERVED_NAME = "teacher"  # the model name a server started here answers to
-REQUEST_TRIES = 3  # a request that fails (connection, 5xx, timeout) is sent again this many times in all
 START_HINT = "set distill.server=start to have grpo start one on distill.teacher"
 
 

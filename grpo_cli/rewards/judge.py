@@ -20,11 +20,10 @@ from __future__ import annotations
 import re
 import string
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from grpo_cli.errors import UsageError
-from grpo_cli.model_files import resolve_model_path
+from grpo_cli.model_files import checked_model_path
 from grpo_cli.served import ServerLink
 
 SERVED_NAME = "judge"  # the model name a server started here answers to
@@ -100,12 +99,7 @@ class Judge:
                              "or the URL of an OpenAI-compatible server")
         if spec.server == "start" and spec.model is None:
             raise UsageError(f"{key}.model: server=start needs the judge's model (a directory, hub id or builtin:NAME)")
-        path = None
-        if spec.model is not None:
-            try:
-                path = resolve_model_path(spec.model)
-            except FileNotFoundError as e:
-                raise UsageError(f"{key}.model: {e}") from None
+        path = checked_model_path(f"{key}.model", spec.model) if spec.model is not None else None
         has_template, max_model_len = False, 2048
         if path is not None:
             from transformers import AutoConfig
@@ -140,13 +134,11 @@ class Judge:
 
     def replies(self, texts: list[str]) -> list[str]:
         """The judge's reply to each prompt, greedy; `requests_in_flight` requests at a time."""
-        self.server.ready(self.dtype)  # server=start outside a run (grpo reward, grpo eval): started on first use
         if self.chat:
             jobs, ask = [[t] for t in texts], self._chat
         else:
             jobs, ask = [texts[i:i + self.batch_size] for i in range(0, len(texts), self.batch_size)], self._complete
-        with ThreadPoolExecutor(min(self.in_flight, len(jobs)) or 1) as pool:
-            return [reply for part in pool.map(ask, jobs) for reply in part]
+        return self.server.ask_all(ask, jobs, self.in_flight, self.dtype)
 
     def _complete(self, texts: list[str]) -> list[str]:
         answer = self.server.post("/v1/completions", {"prompt": texts, "max_tokens": self.max_tokens,

@@ -20,7 +20,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from grpo_cli.errors import UsageError
-from grpo_cli.model_files import damaged_weights, resolve_model_path
+from grpo_cli.model_files import checked_model_path
 from grpo_cli.served import ServerLink
 
 SERVED_NAME = "reward_model"  # the model name a server started here answers to
@@ -57,12 +57,7 @@ class RewardModel:
         from transformers import AutoConfig, AutoTokenizer
 
         self.key, self.name_or_path = key, spec.model
-        try:
-            self.path = resolve_model_path(spec.model)
-        except FileNotFoundError as e:
-            raise UsageError(f"{key}.model: {e}") from None
-        if damage := damaged_weights(self.path):
-            raise UsageError(f"{key}.model: {damage}")
+        self.path = checked_model_path(f"{key}.model", spec.model)
         config = AutoConfig.from_pretrained(self.path)
         architectures = config.architectures or []
         if not any(a.endswith("ForSequenceClassification") for a in architectures):
@@ -136,12 +131,8 @@ class RewardModel:
     def served_logits(self, texts: list[str]) -> list[float]:
         """The same logits from the server's `/classify` (raw: no activation; the transform is applied here),
         `requests_in_flight` batches at a time."""
-        from concurrent.futures import ThreadPoolExecutor
-
-        self.server.ready(self.dtype)  # server=start outside a run (grpo reward, grpo eval): started on first use
         batches = [texts[first:first + self.batch_size] for first in range(0, len(texts), self.batch_size)]
-        with ThreadPoolExecutor(min(self.in_flight, len(batches)) or 1) as pool:
-            return [x for part in pool.map(self.classify, batches) for x in part]
+        return self.server.ask_all(self.classify, batches, self.in_flight, self.dtype)
 
     def classify(self, texts: list[str]) -> list[float]:
         """One request: each text's chosen logit."""

@@ -18,11 +18,13 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_bad_lora_settings_name_their_key_before_any_model_loads(cli, monkeypatch):
     import grpo_cli.checkpoint
+    import grpo_cli.setup  # imported here first, it would bind the stand-in below for the rest of the session
 
     def no_model(*args, **kwargs):
         raise AssertionError("a model was loaded before the settings were checked")
 
     monkeypatch.setattr(grpo_cli.checkpoint, "load_policy", no_model)
+    monkeypatch.setattr(grpo_cli.setup, "load_policy", no_model)  # where the run calls it
     for args, message in [
         (["model.lora.rank=0"], "model.lora.rank: is 0; it must be >= 1"),
         (["model.lora.rank=8", "model.lora.alpha=0"], "model.lora.alpha: must be > 0"),
@@ -55,7 +57,7 @@ def lora_state(model_dir: Path, rank: int = 4):
     optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-2)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: 1.0)
     state = RunState(task=None, dist=Dist(), run_dir=None, start=None, policy=policy, reference=None, engine=None,
-                     optimizer=optimizer, scheduler=scheduler, cursor=None, heldout=None)
+                     optimizer=optimizer, scheduler=scheduler, pool=None, heldout=None)
     return state, cfg
 
 

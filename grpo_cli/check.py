@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from grpo_cli.checkpoint import resolve_model_path
-from grpo_cli.config import TrainConfig
+from grpo_cli.config import SamplerConfig, TrainConfig
 from grpo_cli.dist.ranks import gpu_roles, split_roles
 from grpo_cli.engines.options import (
     ENGINE_WORKSPACE_GIB,
@@ -325,6 +325,20 @@ def placement_line(cfg: TrainConfig, shape: dict[str, Any] | None) -> str:
             "optimizer step the weights go to every generator at once (one broadcast, tensor by tensor)")
 
 
+def sampler_line(cfg: TrainConfig) -> str:
+    """data.sampler: which training prompts a step draws, with the settings the named sampler reads."""
+    s = cfg.data.sampler
+    band = f"a group is settled at pass rate <= {s.band[0]:g} or >= {s.band[1]:g}"
+    kept = f"taken anyway with probability {s.floor:g}, and always after {s.max_skips} passes in a row"
+    return {"uniform": "prompts: data.sampler.name=uniform, every train row at its turn in a seeded order, reshuffled "
+                       "each epoch",
+            "skip_settled": f"prompts: data.sampler.name=skip_settled, a row whose last {s.visits} group(s) were settled "
+                            f"is passed over ({band}); {kept}",
+            "signal_by_column": f"prompts: data.sampler.name=signal_by_column on column '{s.column}', each value taken "
+                                f"in proportion to its recent share of unsettled groups (EMA decay {s.decay:g}; "
+                                f"{band}); {kept}"}[s.name]
+
+
 def correctness_line(cfg: TrainConfig) -> str:
     """Which reward is the correctness check, and what it decides."""
     i, spec = next((i, s) for i, s in enumerate(cfg.rewards) if s.correctness or len(cfg.rewards) == 1)
@@ -364,6 +378,12 @@ def warnings(cfg: TrainConfig) -> list[str]:
         if runs_untrusted_code(BUILTIN_TOOLS.get(spec.function)) and spec.sandbox == "none":
             out.append(f"rollout.tools[{i}].sandbox=none: {spec.function} runs model-written code as your user, "
                        "with your files, processes and network")
+    s, default_sampler = cfg.data.sampler, SamplerConfig()
+    unused = {"uniform": ("visits", "band", "floor", "max_skips", "column", "decay"),
+              "skip_settled": ("column", "decay"), "signal_by_column": ("visits",)}[s.name]
+    changed = [f"data.sampler.{k}" for k in unused if getattr(s, k) != getattr(default_sampler, k)]
+    if changed:
+        out.append(f"{', '.join(changed)}: unused with data.sampler.name={s.name}")
     if r.dynamic_sampling and r.max_sampling_rounds == 1:
         out.append("rollout.dynamic_sampling with max_sampling_rounds=1: no further round is ever sampled")
     return out
@@ -455,6 +475,7 @@ def run_check(cfg: TrainConfig, run_dir: Any) -> int:
     if cfg.distill.teacher:
         lines.append(teacher_line(cfg, trainers))
     lines += reward_model_lines(cfg)
+    lines.append(sampler_line(cfg))
     lines.append(correctness_line(cfg))
     for line in lines:
         print(f"  {line}")

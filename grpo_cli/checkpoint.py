@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from grpo_cli.config import TrainConfig
-from grpo_cli.data import PromptCursor
 from grpo_cli.dist import Dist
 from grpo_cli.errors import UsageError
 from grpo_cli.model_files import (  # noqa: F401  where a model lives, also reachable from here
@@ -27,6 +26,8 @@ from grpo_cli.model_files import (  # noqa: F401  where a model lives, also reac
 
 if TYPE_CHECKING:
     import torch
+
+    from grpo_cli.pool import PromptPool
 
 
 COMPLETE_MARKER = "checkpoint.json"  # written last; its presence marks a complete checkpoint
@@ -242,23 +243,23 @@ def checkpoint_info(step: int, cfg: TrainConfig, base_model: str, pass_at_1: flo
             "config": dataclasses.asdict(cfg), "eval/pass@1": pass_at_1, "world_size": world_size}
 
 
-def trainer_state(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler, cursor: PromptCursor,
+def trainer_state(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler, pool: PromptPool,
                   best_pass: float, schedule_steps: int) -> dict[str, Any]:
     """Everything besides the weights and AdamW's moments (OPTIMIZER_DIR) that an exact resume needs:
     AdamW's groups (lr, betas, ...), the lr schedule and the training steps it spans, prompt order and
-    position, the best held-out pass@1 so far, and the RNG states (tensors and plain types)."""
+    position and the prompt pool's record, the best held-out pass@1 so far, and the RNG states (tensors and plain types)."""
     import random
 
     import torch
 
     return {"optimizer_param_groups": optimizer.state_dict()["param_groups"], "scheduler": scheduler.state_dict(),
             "schedule_steps": schedule_steps,
-            **cursor.state_dict(), "best_pass": best_pass, "python_rng": random.getstate(),
+            **pool.state_dict(), "best_pass": best_pass, "python_rng": random.getstate(),
             "torch_rng": torch.get_rng_state()}
 
 
 def restore_trainer_state(state: dict[str, Any], optimizer: torch.optim.Optimizer,
-                          scheduler: torch.optim.lr_scheduler.LRScheduler, cursor: PromptCursor,
+                          scheduler: torch.optim.lr_scheduler.LRScheduler, pool: PromptPool,
                           path: Path | None = None, model: torch.nn.Module | None = None) -> float:
     """Put a `trainer_state` (and the checkpoint's OPTIMIZER_DIR) back in place; returns the best
     held-out pass@1 it had."""
@@ -273,7 +274,7 @@ def restore_trainer_state(state: dict[str, Any], optimizer: torch.optim.Optimize
         raise UsageError(f"resume: {path} has no optimizer state ({OPTIMIZER_DIR}/ is missing); copy the whole "
                          "checkpoint directory")
     scheduler.load_state_dict(state["scheduler"])
-    cursor.load_state_dict(state)
+    pool.load_state_dict(state)
     random.setstate(state["python_rng"])
     torch.set_rng_state(state["torch_rng"])
     return state["best_pass"]

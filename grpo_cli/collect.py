@@ -1,6 +1,6 @@
-"""Collecting a step's groups: which prompts (the cursor), their rollouts, rewards and advantages, `[P, G]`.
+"""Collecting a step's groups: which prompts (the pool), their rollouts, rewards and advantages, `[P, G]`.
 
-`PromptCursor` owns the prompt order and position, and saves and restores them for an
+`pool.PromptPool` owns which prompts a step draws, and saves and restores its state for an
 exact resume. `collect_groups` is the first stage of a step: draw P prompts, sample G
 completions of each with the rollout engine, score them with the reward functions and
 turn the rewards into group-relative advantages.
@@ -41,6 +41,7 @@ class Groups:
     keep: torch.Tensor  # [P] bool: groups that enter the loss
     dropped: torch.Tensor  # [P, G] bool: samples a reward with on_failure=drop failed on; they leave the loss
     rounds: int = 1  # sampling rounds it took (dynamic sampling)
+    pass_rate: torch.Tensor | None = None  # [P] the share of each group's scored samples the correctness check passed
 
     @property
     def group_size(self) -> int:
@@ -62,7 +63,8 @@ def concat_groups(parts: list[Groups]) -> Groups:
     tensors = [torch.cat([getattr(g, f) for g in parts]) for f in
                ("reward", "advantages", "all_correct", "all_wrong", "keep")]
     return Groups(sum((g.rows for g in parts), []), sum((g.prompt_ids for g in parts), []), rollouts, scored,
-                  failures, *tensors, dropped=torch.cat([g.dropped for g in parts]), rounds=len(parts))
+                  failures, *tensors, dropped=torch.cat([g.dropped for g in parts]), rounds=len(parts),
+                  pass_rate=torch.cat([g.pass_rate for g in parts]))
 
 
 def score_groups(rows: list[dict[str, Any]], prompt_ids: list[list[int]], rollouts: Rollouts,
@@ -107,11 +109,13 @@ def score_groups(rows: list[dict[str, Any]], prompt_ids: list[list[int]], rollou
     correct = torch.tensor(scored.per_function[rewards.correctness_name(reward_fns)],
                            device=dist.device).view(P, G)  # [P, G] the correctness check
     all_correct, all_wrong = grpo.zero_variance_groups(reward, correct)  # [P], [P]
+    scored_count = (~dropped).sum(dim=1)  # [P] samples left in each group
+    pass_rate = (correct * ~dropped).sum(dim=1) / scored_count.clamp(min=1)  # [P] the prompt pool's record
     keep = torch.ones(P, dtype=torch.bool, device=dist.device)  # [P]
     if t_cfg.filter_zero_variance or cfg.rollout.dynamic_sampling:
         keep = ~(all_correct | all_wrong)  # [P]
     return Groups(rows, prompt_ids, rollouts, scored, failures, reward, advantages, all_correct, all_wrong, keep,
-                  dropped=dropped)
+                  dropped=dropped, pass_rate=pass_rate)
 
 
 def merge_scores(parts: list[tuple[Scores, RewardFailures]]) -> tuple[Scores, RewardFailures]:

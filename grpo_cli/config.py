@@ -79,6 +79,34 @@ class ModelConfig:
                  f"'{self.dtype}' is not one of float32, bfloat16, float16")
 
 
+# Names of the prompt samplers' table in grpo_cli/pool.py (KEEP), spelled out so validation imports no pool code.
+SAMPLER_NAMES = ("uniform", "skip_settled", "signal_by_column")
+
+
+@dataclass
+class SamplerConfig:
+    """Which training prompts a step draws (docs/sampling.md). Every sampler walks the same seeded order; one that
+    is not uniform passes over some prompts at their turn, judged on their groups already scored."""
+
+    name: str = "uniform"  # "uniform" (every prompt at its turn) | "skip_settled" (GRESO: pass over a prompt whose last `visits` groups were settled) | "signal_by_column" (SEC: favour the values of `column` whose recent groups carried signal)
+    visits: int = 1  # skip_settled: the prompt's last visits that must all be settled before it is passed over
+    band: list[float] = field(default_factory=lambda: [0.0, 1.0])  # [low, high]: a group whose pass rate is <= low or >= high is settled (no signal); the default is all wrong or all right
+    floor: float = 0.1  # the probability that a prompt the sampler would pass over is taken anyway (a settled prompt comes back)
+    max_skips: int = 4  # a prompt passed over this many times in a row is taken at its next turn (none starves)
+    column: str = "tier"  # signal_by_column: the dataset column whose values are tracked (bike pricing and Countdown: tier)
+    decay: float = 0.95  # signal_by_column: per recorded group, the weight of a value's old signal share (EMA)
+
+    def __post_init__(self) -> None:
+        _require(self.name in SAMPLER_NAMES, "data.sampler.name",
+                 f"'{self.name}' is not one of {', '.join(SAMPLER_NAMES)}")
+        _require(self.visits >= 1, "data.sampler.visits", "must be >= 1")
+        _require(len(self.band) == 2 and 0.0 <= self.band[0] < self.band[1] <= 1.0, "data.sampler.band",
+                 f"{list(self.band)} must be [low, high] with 0 <= low < high <= 1")
+        _require(0.0 < self.floor <= 1.0, "data.sampler.floor", "must be in (0, 1]: 0 would let a prompt starve")
+        _require(self.max_skips >= 0, "data.sampler.max_skips", "must be >= 0")
+        _require(0.0 <= self.decay < 1.0, "data.sampler.decay", "must be in [0, 1)")
+
+
 @dataclass
 class DataConfig:
     source: str = "builtin:bike_pricing"  # builtin:NAME (generator) | path/to/file.jsonl | path/to/file.parquet | hub:owner/dataset
@@ -95,6 +123,7 @@ class DataConfig:
     answer_format: str = "answer_line"  # how the final answer is marked: "answer_line" (Answer: X) | "answer_tag" (<answer>X</answer>) | "boxed" (\\boxed{X}) | "hash" (#### X)
     tiers: list[int] = field(default_factory=lambda: [1, 2, 3])  # difficulty tiers to draw (builtin bike_pricing)
     seed: int = 1234  # generator seed; fixes the problems and the train/held-out split
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)  # which training prompts a step draws (held-out evaluation always uses all)
 
     def __post_init__(self) -> None:
         _require(self.template in ("plain", "chat"), "data.template",

@@ -72,6 +72,7 @@ def step_metrics(step: int, groups: Groups, batch: TrainBatch, stats: dict[str, 
         "truncation_rate": sum(t for group in rollouts.truncated for t in group) / len(lengths),
         "groups/all_correct_frac": float(groups.all_correct.float().mean()),
         "groups/all_wrong_frac": float(groups.all_wrong.float().mean()),
+        "groups/zero_variance_frac": float((groups.all_correct | groups.all_wrong).float().mean()),
         "groups/kept": int(groups.keep.sum()),
         "sampling/rounds": groups.rounds,  # > 1 only with rollout.dynamic_sampling
         "sampling/groups": len(groups.rows),

@@ -127,7 +127,9 @@ def plot_runs(run_dirs: list[Path], out: Path, labels: list[str] | None = None) 
                "tokens", twin=[("truncation_rate", "truncation rate", "--", False)], twin_label="truncation rate")
     _line_panel(axes[1, 0], runs, "zero-variance groups (no signal)",
                [("groups/all_correct_frac", "all correct", "-", False),
-                ("groups/all_wrong_frac", "all wrong", "--", False)], "fraction of groups", fraction=True)
+                ("groups/all_wrong_frac", "all wrong", "--", False),
+                ("groups/zero_variance_frac", "either (data.sampler's target)", ":", False)], "fraction of groups",
+               fraction=True)
     _time_panel(axes[1, 1], runs, labels)
     _line_panel(axes[1, 2], runs, "rollout throughput", [("tokens_per_s", "tokens/s", "-", False)], "tokens / s")
     for ax, (panel_title, series, ylabel, fraction) in zip(axes[:, 3] if tools else [], TOOL_PANELS):

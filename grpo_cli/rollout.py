@@ -2,7 +2,7 @@
 
 The engines themselves (vLLM, transformers, a split job's generator rank, the tool loop) are in
 `grpo_cli.engines`; this module is what the loop asks of them each step: `draw_prompts` takes the step's
-prompts from the cursor with one seed each (`sample_seeds`), `sample_groups` samples a group of
+prompts from the prompt pool with one seed each (`sample_seeds`), `sample_groups` samples a group of
 completions for every prompt, laid out [P][G].
 """
 
@@ -60,9 +60,9 @@ def sample_groups(state: RunState, cfg: TrainConfig, step: int, round_index: int
 
 def draw_prompts(state: RunState, cfg: TrainConfig, step: int, round_index: int = 0
                  ) -> tuple[list[dict[str, Any]], list[list[int]], Sampling, list[int]]:
-    """The step's prompts from the cursor: their rows, token ids, the sampling settings and one seed each."""
+    """The step's prompts from the prompt pool: their rows, token ids, the sampling settings and one seed each."""
     r_cfg, task = cfg.rollout, state.task
-    rows = [task.train_rows[i] for i in state.cursor.take(r_cfg.prompts_per_step, step)]
+    rows = [task.train_rows[i] for i in state.pool.take(r_cfg.prompts_per_step, step)]
     prompt_ids = [task.encode(row) for row in rows]
     stream = 0 if round_index == 0 else round_index + 1
     seeds = sample_seeds(cfg.trainer.seed, step, len(rows), stream, r_cfg.group_size)

@@ -31,7 +31,6 @@ from grpo_cli.checkpoint import (
     restore_trainer_state,
 )
 from grpo_cli.config import RewardSpec, TrainConfig, TrainerConfig
-from grpo_cli.data import PromptCursor
 from grpo_cli.dist import Dist
 from grpo_cli.dist.channel import current
 from grpo_cli.dist.shard import shard_model
@@ -47,6 +46,7 @@ from grpo_cli.heldout import HeldoutSet
 from grpo_cli.lora import check_targets, with_adapters
 from grpo_cli.model_files import checked_model_path
 from grpo_cli.optim import build_optimizer
+from grpo_cli.pool import PromptPool, column_values
 from grpo_cli.prompts import render_row
 from grpo_cli.rewards.load import TOOL_RUN_ONLY, place_reward_models
 from grpo_cli.runs import step_checkpoints
@@ -85,6 +85,7 @@ def preflight(cfg: TrainConfig) -> Task:
         raise UsageError(f"rollout.prompts_per_step: {cfg.rollout.prompts_per_step} does not split over {world} "
                          "processes (WORLD_SIZE); make it a multiple of the process count")
     train_rows, heldout_rows = data.load_splits(cfg.data)
+    column_values(train_rows, cfg.data.sampler)  # data.sampler.column is a column of every train row
     reward_fns = rewards.load_rewards(cfg.rewards)
     rewards.validate_columns(train_rows, reward_fns)
     rewards.validate_columns(heldout_rows, reward_fns)
@@ -238,7 +239,7 @@ def resume_or_start(cfg: TrainConfig, run_dir: Path, model_path: str) -> Start:
 
 def start_run(cfg: TrainConfig, task: Task, run_dir: Path, engine: Engine | None = None) -> RunState:
     """This process's place in the job, the start point, the models and the engine, the optimizer and the
-    prompt cursor, with a resumed run's trainer state put back. A given `engine` (one process only)
+    prompt pool, with a resumed run's trainer state put back. A given `engine` (one process only)
     takes the start point's weights instead of a new one starting."""
     dist = Dist.init(cfg.trainer.device, trainers=cfg.trainer_ranks if cfg.rollout.placement == "split" else None)
     start = resume_or_start(cfg, run_dir, task.model_path)
@@ -269,9 +270,10 @@ def start_run(cfg: TrainConfig, task: Task, run_dir: Path, engine: Engine | None
     optimizer, scheduler = build_optimizer(policy, trainer, start.schedule_steps)
     heldout = HeldoutSet.build(task.heldout_rows[: cfg.eval.num_problems], task.encode, task.reward_fns, cfg.data)
     state = RunState(task, dist, run_dir, start, policy, reference, engine, optimizer, scheduler,
-                     PromptCursor(len(task.train_rows), cfg.trainer.seed), heldout, teacher)
+                     PromptPool(len(task.train_rows), cfg.trainer.seed, cfg.data.sampler,
+                                column_values(task.train_rows, cfg.data.sampler)), heldout, teacher)
     if start.state is not None:
-        state.best_pass = restore_trainer_state(start.state, optimizer, scheduler, state.cursor, Path(start.path),
+        state.best_pass = restore_trainer_state(start.state, optimizer, scheduler, state.pool, Path(start.path),
                                                 policy)
         if dist.is_main:
             state.history = truncate_metrics(run_dir / "metrics.jsonl", start.step)  # drop steps after the checkpoint

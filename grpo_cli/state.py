@@ -2,7 +2,7 @@
 
 `Task` is what pre-flight checked (the prompts, the rewards, the model and its tokenizer, the tools);
 `Start` is where a run starts (step 0, or a resumed checkpoint); `RunState` holds both with the models,
-the engine, the optimizer and the prompt cursor, from a run's first step to its last. They are built by
+the engine, the optimizer and the prompt pool, from a run's first step to its last. They are built by
 `grpo_cli.setup`, the run's composition root, which stands above every stage.
 """
 
@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from grpo_cli.config import DataConfig
-from grpo_cli.data import PromptCursor
 from grpo_cli.dist.ranks import Dist
 from grpo_cli.engines.base import Engine
 from grpo_cli.heldout import HeldoutSet
+from grpo_cli.pool import PromptPool
 from grpo_cli.prompts import render_row
 from grpo_cli.rewards.load import WeightedReward
 from grpo_cli.tools.load import LoadedTool, tool_schemas
@@ -77,7 +77,7 @@ class RunState:
     engine: Engine  # the rollout engine (rollout.engine), holding a copy of the policy's weights
     optimizer: torch.optim.Optimizer  # AdamW over the policy's parameters
     scheduler: torch.optim.lr_scheduler.LambdaLR  # warm-up and trainer.lr_schedule, over optimizer steps
-    cursor: PromptCursor  # the train rows' seeded order and position (saved for an exact resume)
+    pool: PromptPool  # which train rows each step draws: the seeded order, the sampler's record (saved for an exact resume)
     heldout: HeldoutSet  # the eval.num_problems held-out problems every evaluation samples
     teacher: torch.nn.Module | ServedTeacher | None = None  # distill.teacher: frozen here, or served (None without)
     best_pass: float = -1.0  # the best held-out pass@1 so far; checkpoints/best holds that model

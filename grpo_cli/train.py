@@ -85,6 +85,7 @@ def run(cfg: TrainConfig, run_dir: Path, engine: Engine | None = None) -> int:
                 release_engine(state, t_cfg, timings)  # vLLM sleeps while the trainer steps
             else:  # sampled from the weights after step - 1 - K; step + K's batch starts sampling now
                 groups, sampled = ahead.take(step, timings)  # [P, G]
+            state.pool.record(step, groups.pass_rate.tolist())  # what data.sampler reads for the draws after this one
             batch = TrainBatch.build(groups, task.tokenizer.pad_token_id, t_cfg, state.dist, params)
             with timings("logprobs"):  # the reference's, and the policy's before the update when it can move
                 penalty = fill_logprobs(state, batch, groups, cfg)
@@ -98,6 +99,7 @@ def run(cfg: TrainConfig, run_dir: Path, engine: Engine | None = None) -> int:
 
             metrics = step_metrics(step, groups, batch, stats, timings, state.scheduler.get_last_lr()[0], started)
             metrics.update(staleness_metrics(step, sampled) if ahead is not None else {})
+            metrics.update(state.pool.metrics(step))  # prompts passed over, the pool's buckets
             metrics.update(rank_metrics(state.dist, COLLECTIVE_SECONDS[0] - collective_start))
             metrics.update(state.engine.step_metrics())  # rollout.placement=split: the generator rank's memory
             metrics.update(maybe_heldout_eval(state, cfg, step))
@@ -264,7 +266,7 @@ def maybe_checkpoint(state: RunState, metrics: dict[str, Any], cfg: TrainConfig,
     if save_now or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
         name = "final" if step == cfg.trainer.steps else f"{STEP_PREFIX}{step:06d}"
         save_checkpoint(state.policy, state.task.tokenizer, checkpoints / name, info,
-                        trainer_state(state.optimizer, state.scheduler, state.cursor, state.best_pass,
+                        trainer_state(state.optimizer, state.scheduler, state.pool, state.best_pass,
                                       state.start.schedule_steps)
                         | ({"rollouts_ahead": ahead.state_dict()} if ahead is not None else {}),
                         optimizer=state.optimizer, dist=state.dist)

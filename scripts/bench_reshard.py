@@ -142,7 +142,7 @@ def update_once(build: Callable[[], Any], reshard_layers: bool, groups: Any, dis
     params = loss_params(cfg)
     batch = TrainBatch.build(groups, 0, cfg.trainer, dist, params)
     state = RunState(task=None, dist=dist, run_dir=None, start=None, policy=policy, reference=reference, engine=None,
-                     optimizer=optimizer, scheduler=scheduler, cursor=None, heldout=None)  # what the stages read
+                     optimizer=optimizer, scheduler=scheduler, pool=None, heldout=None)  # what the stages read
     dist.barrier()
     started = time.perf_counter()
     with HeldBytes(policy) as held:

@@ -3,7 +3,8 @@
 One real K=1 run on the session's vLLM engine (the shipped model) with a checkpoint every step: its batch of
 step 3 is re-scored with transformers on the step-1 and step-2 checkpoints to show which weights sampled it;
 the same run with the batch sampled after the update instead of beside it gives the same numbers; a K=1 run
-SIGKILLed after its step-2 checkpoint resumes to the same weights.
+SIGKILLed after its step-2 checkpoint resumes to the same weights. The prompt pool (signal_by_column) runs in all
+of them: its draws ahead see only the steps already scored, and the checkpoint carries them.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ pytestmark = pytest.mark.slow
 
 OVERRIDES = ["recipe=bike_pricing", "trainer.steps=4", "rollout.prompts_per_step=4", "rollout.group_size=4",
              "eval.num_problems=8", "eval.every=2", "checkpoint.every=1", "checkpoint.keep_last=10",
-             "rollout.push_check_every=1", "trainer.lr=1e-3", "rollout.max_staleness=1"]
+             "rollout.push_check_every=1", "trainer.lr=1e-3", "rollout.max_staleness=1",
+             # the prompt pool too: the draw of step t+1 sees steps up to t-1, and a resume replays its choices
+             "data.sampler.name=signal_by_column", "data.sampler.decay=0.5"]
 WALL_CLOCK = ("time/", "elapsed_s", "tokens_per_s", "memory/")
 
 
@@ -97,6 +100,7 @@ def test_sampling_after_the_update_gives_the_same_run_as_beside_it(threaded, tmp
     value and the final weights are those of the threaded run, bit for bit."""
     inline = k1_run(tmp_path, vllm_engine, shipped_weights, "rollout.overlap=off")
     assert logged(inline) == logged(threaded)
+    assert sum(m.get("pool/passed_over", 0) for m in logged(threaded)) > 0  # the pool chose
     a, b = final(inline), final(threaded)
     assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
 

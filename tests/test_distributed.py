@@ -169,12 +169,18 @@ def workdir(tmp_path_factory, tiny_model_dir):
     return root
 
 
+# The prompt pool in every job here: its record comes from the ranks' gathered scores, so it is one pool on every
+# rank, saved by rank 0 and resumed at any world size (a fast-moving EMA so it chooses within 4 steps).
+POOL = ("data.sampler.name=signal_by_column", "data.sampler.decay=0.5", "data.sampler.floor=0.2",
+        "data.sampler.band=[0.02,1.0]")  # the digit share of a tiny random model: a group below 0.02 is settled
+
+
 def train_args(workdir: Path, out: str, *extra: str, ranks: int = 2) -> list[str]:
     return [sys.executable, "-m", "grpo_cli", "train", "recipe=bike_pricing", f"output_dir={workdir / out}",
             f"model.name_or_path={workdir / 'tiny'}", "rollout.engine=hf", "rollout.prompts_per_step=2",
             "rollout.group_size=4", "rollout.max_new_tokens=16", "eval.num_problems=4", "eval.every=2",
             "trainer.lr=1e-3", "trainer.lr_schedule=constant", "rewards=[{name:dist_rewards_mod:digit_share}]",
-            "rollout.push_check_every=1", "data.num_train=200", "data.num_heldout=20",
+            "rollout.push_check_every=1", "data.num_train=200", "data.num_heldout=20", *POOL,
             *([f"dist.nproc_per_node={ranks}"] if ranks > 1 else []), *extra]
 
 
@@ -239,6 +245,20 @@ def test_two_simulated_nodes_and_plain_torchrun_run_the_same_job_as_two_processe
             for run_dir in (two_procs, run_dir_of(workdir / "two_nodes"))]
     assert pick[0] == pick[1]
     assert (two_procs / "train.log").is_file() and (two_procs / "train-rank1.log").is_file()  # one run, both logs
+
+
+def test_the_prompt_pool_chooses_the_same_prompts_at_one_and_two_ranks(workdir, two_procs, monkeypatch, capsys):
+    """data.sampler=signal_by_column at 1 process and at 2 ranks: the same prompts passed over, the same rewards
+    and the same pool at every step (each rank scores half the groups; every rank records them all)."""
+    from grpo_cli.cli import main
+
+    monkeypatch.chdir(workdir)  # one process: in this one, the reward module imported from the run's cwd
+    monkeypatch.syspath_prepend(str(workdir))
+    main(train_args(workdir, "one_rank", "trainer.steps=4", "checkpoint.every=2", ranks=1)[3:])
+    pool = [[{k: v for k, v in m.items() if k.startswith("pool/") or k == "reward/mean"} for m in metrics_of(run_dir)]
+            for run_dir in (two_procs, run_dir_of(workdir / "one_rank"))]
+    assert pool[0] == pool[1]
+    assert sum(m["pool/passed_over"] for m in pool[0][1:]) > 0  # it did pass prompts over
 
 
 def test_kill_9_then_resume_at_two_ranks_is_bit_exact_at_one_rank_works_and_back_at_two(workdir, two_procs,

@@ -8,11 +8,12 @@ import torch
 
 from grpo_cli.batch import TrainBatch
 from grpo_cli.collect import Groups
-from grpo_cli.config import TrainerConfig
+from grpo_cli.config import SamplerConfig, TrainerConfig
 from grpo_cli.data import PromptCursor
 from grpo_cli.dist import Dist
 from grpo_cli.engines.base import Rollouts
 from grpo_cli.grpo import LossParams
+from grpo_cli.pool import PromptPool
 from grpo_cli.rewards import RewardFailures, Scores
 from grpo_cli.update import DeviceSums
 from grpo_cli.watch import NonFiniteGuard
@@ -376,21 +377,26 @@ def test_dynamic_sampling_adds_rounds_until_enough_groups_have_signal(hf_engine)
                       rollout=RolloutConfig(prompts_per_step=4, group_size=4, max_new_tokens=6, dynamic_sampling=True,
                                             max_sampling_rounds=5))
 
-    def collect(cursor):
-        return collect_groups(stage_state(task=task, engine=engine, cursor=cursor), cfg, 3, StepTimer())
+    def collect(pool):
+        return collect_groups(stage_state(task=task, engine=engine, pool=pool), cfg, 3, StepTimer())
 
-    cursor = PromptCursor(len(rows), seed=0)
-    groups = collect(cursor)
+    pool = PromptPool(len(rows), 0, SamplerConfig())
+    groups = collect(pool)
     varied = ~(groups.all_correct | groups.all_wrong)
     assert groups.rounds >= 2 and len(groups.rows) == 4 * groups.rounds  # each round: 4 more prompts
     assert int(groups.keep.sum()) == 4  # exactly prompts_per_step groups enter the loss...
     assert bool((varied | ~groups.keep).all())  # ...each with reward variance
     assert all(r["id"] % 2 == 1 for r, k in zip(groups.rows, groups.keep.tolist()) if k)
-    assert cursor.position == 4 * groups.rounds
-    again = collect(PromptCursor(len(rows), seed=0))  # a pure function of (seed, step, round, prompt)
+    assert pool.cursor.position == 4 * groups.rounds
+    drawn = list(pool.pending[3])
+    assert [rows[i] for i in drawn] == groups.rows  # every round's prompts, in the groups' order
+    pool.record(3, groups.pass_rate.tolist())  # what the loop records: one pass rate per group of every round
+    assert [pool.rates[i] for i in drawn] == [[rate] for rate in groups.pass_rate.tolist()]
+    assert all(pool.rates[i] == [1.0] for i in drawn if i % 2 == 0)  # an even row: every sample right
+    again = collect(PromptPool(len(rows), 0, SamplerConfig()))  # a pure function of (seed, step, round, prompt)
     assert again.rollouts.completion_ids == groups.rollouts.completion_ids
     cfg.rollout.dynamic_sampling = False
-    single = collect(PromptCursor(len(rows), seed=0))
+    single = collect(PromptPool(len(rows), 0, SamplerConfig()))
     assert single.rounds == 1 and bool(single.keep.all())  # off: one round, every group kept
     assert single.rollouts.completion_ids == groups.rollouts.completion_ids[:4]  # round 0 samples as before
 

@@ -94,7 +94,7 @@ def update_once(micro_batch_size: int, variant: str, dist: Dist) -> dict:
     params = loss_params(cfg)
     batch = TrainBatch.build(groups, 0, cfg.trainer, dist, params)
     state = RunState(task=None, dist=dist, run_dir=None, start=None, policy=policy, reference=reference, engine=None,
-                     optimizer=optimizer, scheduler=scheduler, cursor=None, heldout=None)  # what the stages read
+                     optimizer=optimizer, scheduler=scheduler, pool=None, heldout=None)  # what the stages read
     fill_logprobs(state, batch, groups, cfg)
     stats = update(state, batch, params, cfg)
     weights = {name: t.clone() for name, t in full_tensors(policy)}

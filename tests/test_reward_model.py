@@ -196,32 +196,89 @@ def test_a_judge_s_settings_are_checked_before_any_model_loads(tmp_path):
     assert spec.name == "judge"
 
 
+class CharServer:
+    """What JudgeContext asks of a judge server, with one token per character, a context of `max_model_len`, a BOS
+    token, and a log of the requests."""
+
+    def __init__(self, max_model_len: int) -> None:
+        self.max_model_len, self.asked = max_model_len, []
+
+    def post(self, path: str, body: dict) -> dict:
+        self.asked.append(path)
+        if path == "/detokenize":
+            return {"prompt": "".join(map(chr, body["tokens"]))}
+        bos = [0] if body.get("add_special_tokens", True) else []
+        ids = bos + [ord(ch) for ch in body["prompt"]]
+        return {"count": len(ids), "tokens": ids, "max_model_len": self.max_model_len}
+
+
+def test_a_judge_prompt_too_long_for_its_context_loses_the_middle_of_its_completion():
+    """The policy writes the completion: one too long for the judge's context is cut in its middle (the template's
+    instructions and the completion's end kept) rather than failing every sample of its request; a prompt that
+    cannot fit at all fails its own sample (None); a short one costs one /tokenize per run, no more."""
+    from grpo_cli.rewards.judge import JudgeContext
+
+    server = CharServer(max_model_len=170)
+    context = JudgeContext(server, chat=False, max_tokens=20)  # prompts of at most 150 tokens (BOS included)
+    template = "Rate this answer.\n{completion}\nScore:"
+    short = context.fitted(template, {"completion": "Answer: 4"})
+    assert short == "Rate this answer.\nAnswer: 4\nScore:" and server.asked == ["/tokenize"]
+    long = "step " * 60 + "Answer: 300"  # 311 characters
+    cut = context.fitted(template, {"completion": long})
+    assert cut.startswith("Rate this answer.\nstep step") and cut.endswith("Answer: 300\nScore:")
+    assert "tokens cut to fit the judge's context ...]" in cut and 140 <= 1 + len(cut) <= 150  # the room is used
+    assert context.fitted("{prompt}" * 2 + "{completion}", {"prompt": "x" * 75, "completion": "y"}) is None
+    chat = JudgeContext(CharServer(max_model_len=170), chat=True, max_tokens=20)
+    chat.server.post = lambda path, body, inner=chat.server.post: inner(path, {  # a chat turn: 10 tokens around it
+        "prompt": "<|user|>" + body["messages"][0]["content"] + "<|a|>"} if "messages" in body else body)
+    fitted = chat.fitted(template, {"completion": long})
+    assert fitted.endswith("Answer: 300\nScore:") and "tokens cut" in fitted
+    assert 1 + len("<|user|><|a|>") + len(fitted) <= 150
+
+
 @pytest.mark.slow
 def test_a_judge_on_a_real_vllm_server_scores_its_parsed_replies_and_fails_the_unreadable(tmp_path):
     """rewards[i].judge with server=start: a real vLLM server on the shipped bike model (no chat template: the plain
     prompt through /v1/completions, 3 prompts a request). Its greedy replies, asked again from the server directly,
     parsed by the recipe's regex, are the scores; with the yes_no parser none of its replies reads, and every
-    sample fails (on_failure); `close` stops the server."""
+    sample fails (on_failure); `close` stops the server. A completion longer than the judge's 512-token context is
+    cut in its middle to fit (the template whole around it) instead of failing its request of 3; a prompt too long
+    for any completion fails its own sample only."""
+    from grpo_cli.rewards.judge import CUT_MARKER
     from grpo_cli.served import post_json
 
     template = "{prompt} The bill is {answer}.\n{completion}\nsubtotal:"
     spec = dict(name="judge", judge=template, server="start", model="builtin:bike_base", parser=r"(\d+)\.",
                 max_tokens=12, batch_size=3, timeout_s=30.0)
     (judge,) = load_rewards([RewardSpec(**spec)])
-    answers = ["36", "4", "240", "12", "9"]
-    completions = COMPLETIONS + ["e-bike: 3 x 4 = 12.00", "Answer: 9"]
-    prompts = PROMPTS + ["An e-bike costs 4 an hour. What do 3 hours cost?", "Price?"]
+    long_answer = "city bike: 2 x 9 = 18.00\n" * 40 + "Answer: 18.00"  # ~1,000 characters, one token each
+    answers = ["36", "4", "240", "12", "9", "18", "1"]
+    completions = COMPLETIONS + ["e-bike: 3 x 4 = 12.00", "Answer: 9", long_answer, "Answer: 1"]
+    prompts = PROMPTS + ["An e-bike costs 4 an hour. What do 3 hours cost?", "Price?", "Two days of city bike at 9?",
+                         "Price? " * 100]
     try:
         scores = judge.fn(completions, prompt=prompts, answer=answers)
         assert not judge.fn.chat and judge.fn.server.started is not None
-        texts = [template.format(prompt=p, answer=a, completion=c) for p, a, c in zip(prompts, answers, completions)]
+        texts = judge.fn.prompts(completions, prompts, {"answer": answers})
+        assert texts[:5] == [template.format(prompt=p, answer=a, completion=c)
+                             for p, a, c in zip(prompts[:5], answers[:5], completions[:5])]
+        assert texts[6] is None and scores[6] is None  # its prompt alone outgrows the context: that sample fails
+        cut = texts[5]
+        head, tail = cut.split("[... ")[0], cut.split(" tokens cut to fit the judge's context ...]\n")[1]
+        assert head.startswith(prompts[5] + " The bill is 18.\ncity bike: 2 x 9 = 18.00\n")  # the template's start
+        assert tail.endswith("Answer: 18.00\nsubtotal:") and CUT_MARKER.split("{")[0] in cut
+        counted = post_json(f"{judge.fn.server.url}/tokenize", {"model": "judge", "prompt": cut}, 60)
+        assert counted["count"] <= 512 - 12 < len(template.format(prompt=prompts[5], answer="18",
+                                                                    completion=long_answer))
+        texts = texts[:6]
         raw = post_json(f"{judge.fn.server.url}/v1/completions", {"model": "judge", "prompt": texts, "max_tokens": 12,
                                                                   "temperature": 0.0}, 60)
         replies = [c["text"] for c in sorted(raw["choices"], key=lambda c: c["index"])]
         import re
 
         want = [float(m.group(1)) if (m := re.search(r"(\d+)\.", r)) else None for r in replies]
-        assert scores == want and any(s is not None for s in scores), (replies, scores)
+        assert scores[:6] == want and any(s is not None for s in scores), (replies, scores)
+        completions, prompts, answers = completions[:5], prompts[:5], answers[:5]
         (strict,) = load_rewards([RewardSpec(**{**spec, "name": "judge_yes_no", "parser": "yes_no",
                                                 "server": judge.fn.server.url})])
         failures = RewardFailures()

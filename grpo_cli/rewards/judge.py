@@ -12,7 +12,10 @@ as it is: /v1/completions, `batch_size` prompts a request), `auto` chat when the
 
 The completion is the policy's text, and the policy is pushed toward whatever the judge pays for: a completion
 that says "Score: 10/10" is written to be read by the judge. Quote it in the template, and log a checker beside
-the judge where the task has one.
+the judge where the task has one. A judge prompt longer than the server's context (less the reply's max_tokens)
+would be refused (HTTP 400) and fail every sample of its request: the completion is cut in its middle instead,
+its start and end kept around a marker, counted with the server's own tokenizer (`JudgeContext`), so the
+template's instructions are never pushed out.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from grpo_cli.served import ServerLink
 
 SERVED_NAME = "judge"  # the model name a server started here answers to
 NUMBER = r"(-?\d+(?:\.\d+)?)"
+CUT_MARKER = "\n[... {count} tokens cut to fit the judge's context ...]\n"  # where a long completion lost its middle
+CUT_SLACK_TOKENS = (4, 16, 64)  # tokens spared beyond the marker's for the re-tokenized seams, one try each
 
 
 def parse_score_10(reply: str) -> float | None:
@@ -83,6 +88,53 @@ def template_fields(key: str, template: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
+class JudgeContext:
+    """The judge server's context, counted with its own tokenizer (vLLM's /tokenize, /detokenize): which prompts fit
+    before max_tokens of reply, and a completion cut in its middle until the prompt does."""
+
+    def __init__(self, server: ServerLink, chat: bool, max_tokens: int) -> None:
+        self.server, self.chat, self.max_tokens = server, chat, max_tokens
+        self.prompt_budget: int | None = None  # tokens a prompt may have: the server's max_model_len - max_tokens
+        self.wrapper_tokens = 0  # tokens around the text: special tokens, the chat template's turn
+
+    def _count(self, text: str) -> dict[str, Any]:
+        body = {"messages": [{"role": "user", "content": text}], "add_generation_prompt": True} if self.chat \
+            else {"prompt": text}
+        return self.server.post("/tokenize", body)
+
+    def tokens(self, text: str) -> list[int]:
+        return self.server.post("/tokenize", {"prompt": text, "add_special_tokens": False})["tokens"]
+
+    def fits(self, text: str) -> bool:
+        if self.prompt_budget is None:  # once, on first use: the server's context and the wrapper's tokens
+            empty = self._count("")
+            self.prompt_budget, self.wrapper_tokens = empty["max_model_len"] - self.max_tokens, empty["count"]
+        # a token holds at least one byte (byte-level and character vocabularies): short texts need no request
+        if len(text.encode()) + self.wrapper_tokens + 4 <= self.prompt_budget:
+            return True
+        return self._count(text)["count"] <= self.prompt_budget
+
+    def fitted(self, template: str, values: dict[str, Any]) -> str | None:
+        """The template filled with `values`, its completion cut in the middle if the whole would not fit; None
+        when even an empty completion would not (the sample fails, the request's others do not)."""
+        text = template.format(**values)
+        if self.fits(text):
+            return text
+        over = self._count(text)["count"] - self.prompt_budget
+        ids = self.tokens(values["completion"])
+        marker = len(self.tokens(CUT_MARKER.format(count=len(ids))))
+        for slack in CUT_SLACK_TOKENS:
+            keep = len(ids) - over - marker - slack
+            if keep <= 0:
+                return None
+            head = self.server.post("/detokenize", {"tokens": ids[:keep // 2]})["prompt"]
+            tail = self.server.post("/detokenize", {"tokens": ids[len(ids) - (keep - keep // 2):]})["prompt"]
+            text = template.format(**{**values, "completion": head + CUT_MARKER.format(count=len(ids) - keep) + tail})
+            if self.fits(text):
+                return text
+        return None
+
+
 class Judge:
     """A reward function backed by a judge model's replies: (completions, prompt=[...], **columns) -> scores."""
 
@@ -114,6 +166,7 @@ class Judge:
         self.server = ServerLink(spec.server, path or "", key, ["--max-model-len", str(max_model_len),
                                                                 "--enforce-eager"],
                                  spec.server_start_timeout_s, spec.timeout_s or 60.0, SERVED_NAME)
+        self.context = JudgeContext(self.server, self.chat, self.max_tokens)
         self.dtype = "float32"
 
     def place(self, device: Any, dtype: str, log_dir: Any = None) -> None:
@@ -124,13 +177,14 @@ class Judge:
     def close(self) -> None:
         self.server.close()
 
-    def prompts(self, completions: list[str], prompt: list[str] | None, columns: dict[str, list]) -> list[str]:
-        """The judge's prompt for each sample."""
+    def prompts(self, completions: list[str], prompt: list[str] | None, columns: dict[str, list]) -> list[str | None]:
+        """The judge's prompt for each sample, fitted to its context (None: it cannot fit)."""
         if prompt is None and "prompt" in self.fields:
             raise ValueError("the judge's template reads {prompt}, and no prompt was given")
         values = [{"completion": c, **({"prompt": prompt[i]} if prompt is not None else {}),
                    **{k: columns[k][i] for k in self.needed_columns}} for i, c in enumerate(completions)]
-        return [self.template.format(**v) for v in values]
+        self.server.ready(self.dtype)
+        return [self.context.fitted(self.template, v) for v in values]
 
     def replies(self, texts: list[str]) -> list[str]:
         """The judge's reply to each prompt, greedy; `requests_in_flight` requests at a time."""
@@ -154,8 +208,11 @@ class Judge:
         return [answer["choices"][0]["message"]["content"] or ""]
 
     def __call__(self, completions: list[str], prompt: list[str] | None = None, **columns: Any) -> list[float | None]:
-        """Each sample's score; None where the parser cannot read the reply (the sample fails)."""
-        return [self.parse(reply) for reply in self.replies(self.prompts(completions, prompt, columns))]
+        """Each sample's score; None where the parser cannot read the reply or the prompt cannot fit (the sample
+        fails)."""
+        texts = self.prompts(completions, prompt, columns)
+        replies = iter(self.replies([t for t in texts if t is not None]))
+        return [None if t is None else self.parse(next(replies)) for t in texts]
 
     def __repr__(self) -> str:
         return f"Judge({self.server.url or self.server.setting})"

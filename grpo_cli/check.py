@@ -384,6 +384,12 @@ def warnings(cfg: TrainConfig) -> list[str]:
     changed = [f"data.sampler.{k}" for k in unused if getattr(s, k) != getattr(default_sampler, k)]
     if changed:
         out.append(f"{', '.join(changed)}: unused with data.sampler.name={s.name}")
+    draws = t.steps * r.prompts_per_step * (r.max_sampling_rounds if r.dynamic_sampling else 1)  # at most
+    builtin_rows = cfg.data.num_train if cfg.data.source.startswith("builtin:") else None  # a file's count is unread here
+    if s.name == "skip_settled" and builtin_rows is not None and draws <= builtin_rows:
+        out.append(f"data.sampler.name=skip_settled: the run draws at most {draws} of "
+                   f"{builtin_rows} train rows, so no prompt comes back and it never acts; use signal_by_column, "
+                   "or a smaller data.num_train (docs/sampling.md)")
     if r.dynamic_sampling and r.max_sampling_rounds == 1:
         out.append("rollout.dynamic_sampling with max_sampling_rounds=1: no further round is ever sampled")
     return out

@@ -156,12 +156,17 @@ def test_a_column_missing_from_a_row_is_named():
 
 
 def test_grpo_check_prints_the_sampler_and_flags_its_unused_settings(cli):
-    result = cli("check", "recipe=countdown", "data.sampler.name=skip_settled", "data.sampler.decay=0.5")
+    result = cli("check", "recipe=countdown", "data.sampler.name=skip_settled", "data.sampler.decay=0.5",
+                 "data.num_train=500")
     assert result.returncode == 0, result.stderr
     assert ("prompts: data.sampler.name=skip_settled, a row whose last 1 group(s) were settled is passed over (a "
             "group is settled at pass rate <= 0 or >= 1); taken anyway with probability 0.1, and always after 4 "
             "passes in a row") in result.stdout
     assert "warning: data.sampler.decay: unused with data.sampler.name=skip_settled" in result.stdout
+    assert "never acts" not in result.stdout  # Countdown at 500 rows: 2,080 draws go over them four times
+    result = cli("check", "recipe=bike_pricing", "data.sampler.name=skip_settled")
+    assert ("warning: data.sampler.name=skip_settled: the run draws at most 2080 of 20000 train rows, so no prompt "
+            "comes back and it never acts") in result.stdout
     result = cli("check", "recipe=bike_pricing")
     assert "prompts: data.sampler.name=uniform, every train row at its turn" in result.stdout
     assert "data.sampler" not in result.stdout.split("prompts:")[1].split("\n", 1)[1]  # no warning by default

@@ -225,6 +225,9 @@ def test_a_judge_prompt_too_long_for_its_context_loses_the_middle_of_its_complet
     assert short == "Rate this answer.\nAnswer: 4\nScore:" and server.asked == ["/tokenize"]
     long = "step " * 60 + "Answer: 300"  # 311 characters
     cut = context.fitted(template, {"completion": long})
+    # counted once before the cut, the completion and the marker tokenized, two halves back to text (the cut's bytes
+    # fit: no further count)
+    assert server.asked[1:] == ["/tokenize"] * 3 + ["/detokenize"] * 2
     assert cut.startswith("Rate this answer.\nstep step") and cut.endswith("Answer: 300\nScore:")
     assert "tokens cut to fit the judge's context ...]" in cut and 140 <= 1 + len(cut) <= 150  # the room is used
     assert context.fitted("{prompt}" * 2 + "{completion}", {"prompt": "x" * 75, "completion": "y"}) is None

@@ -105,22 +105,23 @@ class JudgeContext:
     def tokens(self, text: str) -> list[int]:
         return self.server.post("/tokenize", {"prompt": text, "add_special_tokens": False})["tokens"]
 
-    def fits(self, text: str) -> bool:
+    def excess(self, text: str) -> int:
+        """Tokens the prompt has past the budget (<= 0: it fits)."""
         if self.prompt_budget is None:  # once, on first use: the server's context and the wrapper's tokens
             empty = self._count("")
             self.prompt_budget, self.wrapper_tokens = empty["max_model_len"] - self.max_tokens, empty["count"]
         # a token holds at least one byte (byte-level and character vocabularies): short texts need no request
         if len(text.encode()) + self.wrapper_tokens + 4 <= self.prompt_budget:
-            return True
-        return self._count(text)["count"] <= self.prompt_budget
+            return 0
+        return self._count(text)["count"] - self.prompt_budget
 
     def fitted(self, template: str, values: dict[str, Any]) -> str | None:
         """The template filled with `values`, its completion cut in the middle if the whole would not fit; None
         when even an empty completion would not (the sample fails, the request's others do not)."""
         text = template.format(**values)
-        if self.fits(text):
+        over = self.excess(text)
+        if over <= 0:
             return text
-        over = self._count(text)["count"] - self.prompt_budget
         ids = self.tokens(values["completion"])
         marker = len(self.tokens(CUT_MARKER.format(count=len(ids))))
         for slack in CUT_SLACK_TOKENS:
@@ -130,7 +131,7 @@ class JudgeContext:
             head = self.server.post("/detokenize", {"tokens": ids[:keep // 2]})["prompt"]
             tail = self.server.post("/detokenize", {"tokens": ids[len(ids) - (keep - keep // 2):]})["prompt"]
             text = template.format(**{**values, "completion": head + CUT_MARKER.format(count=len(ids) - keep) + tail})
-            if self.fits(text):
+            if self.excess(text) <= 0:
                 return text
         return None
 

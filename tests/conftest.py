@@ -14,7 +14,8 @@
 - `tiny_chat_model_dir`: the same model with a ChatML chat template in its tokenizer, for the
   chat recipes (gsm8k, math).
 - `tiny_tool_model_dir`: a tiny Qwen2 with a tool-taking chat template (`tool_chat_tokenizer`), taught to
-  answer any prompt with two native `<tool_call>`s in one message, for the chat tool format (gsm8k_tools).
+  answer any prompt with two native `<tool_call>`s in one message, for the chat tool format (gsm8k_tools);
+  `tool_chat_model_dir` the same files untrained, for what reads a model's files only (`grpo check`).
 - `cli`: `grpo ARGS` in this process, with its exit code and output.
 """
 
@@ -135,25 +136,42 @@ def tool_chat_tokenizer():
     return tokenizer
 
 
-@pytest.fixture(scope="session")
-def tiny_tool_model_dir(tmp_path_factory) -> Path:
-    """A tiny Qwen2 with `tool_chat_tokenizer`, taught in 600 steps to answer any prompt showing the calculator
-    with one message of two calls of it in that syntax (TOOL_CALLS), so a run on it makes real native calls,
-    several in a turn."""
+def untrained_tool_model(tokenizer):
+    """A 2-layer, 64-wide Qwen2 (seed 0, tied embeddings) for `tool_chat_tokenizer`."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=2048,
+                         tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)
+    return Qwen2ForCausalLM(config)
+
+
+@pytest.fixture(scope="session")
+def tool_chat_model_dir(tmp_path_factory) -> Path:
+    """`untrained_tool_model` with `tool_chat_tokenizer`, saved: for what reads a tool model's files, not its calls."""
+    path = tmp_path_factory.mktemp("tool_chat_model")
+    tokenizer = tool_chat_tokenizer()
+    untrained_tool_model(tokenizer).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_tool_model_dir(tmp_path_factory) -> Path:
+    """A tiny Qwen2 with `tool_chat_tokenizer`, taught in 600 steps (about 40 s) to answer any prompt showing the
+    calculator with one message of two calls of it in that syntax (TOOL_CALLS), so a run on it makes real native
+    calls, several in a turn."""
+    import torch
     from transformers.utils import get_json_schema
 
     from grpo_cli.tools import calculator
 
     path = tmp_path_factory.mktemp("tiny_tool_model")
     tokenizer = tool_chat_tokenizer()
-    torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=2048,
-                         tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id)
-    model = Qwen2ForCausalLM(config)
+    model = untrained_tool_model(tokenizer)
     schemas = [get_json_schema(calculator)]
     call = tokenizer(TOOL_CALLS, add_special_tokens=False)["input_ids"]
     optimizer = torch.optim.Adam(model.parameters(), lr=2e-3)

@@ -1274,7 +1274,7 @@ SHOWS_NO_SYNTAX = ("{% for m in messages %}{% if m['role'] == 'tool' %}[RESULT]{
 
 
 def test_a_chat_template_that_shows_no_parsed_syntax_is_refused_not_run_with_zero_calls(tmp_path, cli,
-                                                                                        tiny_tool_model_dir):
+                                                                                        tool_chat_model_dir):
     import shutil
 
     from conftest import TOOL_CHAT_TEMPLATE, tool_chat_tokenizer
@@ -1290,10 +1290,10 @@ def test_a_chat_template_that_shows_no_parsed_syntax_is_refused_not_run_with_zer
                                          r"template shows the model none .* set rollout.tool_call_syntax"):
         ChatFormat.from_tokenizer(tokenizer, {"calculator": "calculator"})
     assert ChatFormat.from_tokenizer(tokenizer, {"calculator": "calculator"}, "mistral").syntax == "mistral"  # chosen
-    shown = cli("check", "recipe=gsm8k_tools", f"model.name_or_path={tiny_tool_model_dir}")
+    shown = cli("check", "recipe=gsm8k_tools", f"model.name_or_path={tool_chat_model_dir}")
     assert shown.returncode == 0 and "tool calls: hermes syntax (read off the chat template)" in shown.stdout
     other = tmp_path / "shows_none"
-    shutil.copytree(tiny_tool_model_dir, other)
+    shutil.copytree(tool_chat_model_dir, other)
     config = json.loads((other / "tokenizer_config.json").read_text())
     (other / "chat_template.jinja").unlink(missing_ok=True)
     (other / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": SHOWS_NO_SYNTAX}))

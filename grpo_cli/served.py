@@ -134,6 +134,10 @@ class ServerLink:
             self.url = self.started.url
         return self.url
 
+    def attach(self, url: str) -> None:
+        """Send this link's requests to `url`, a server=start another rank started for the job (it stops it)."""
+        self.url = url
+
     def ask_all(self, ask: Callable[[Any], list[Any]], jobs: list[Any], in_flight: int, dtype: str) -> list[Any]:
         """`ask(job)` (one request, a list of answers) for every job, `in_flight` at a time, the answers flattened
         in job order; the server started first where this process starts it and has not (`grpo reward`, `grpo

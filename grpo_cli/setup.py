@@ -262,7 +262,7 @@ def start_run(cfg: TrainConfig, task: Task, run_dir: Path, engine: Engine | None
         reference = shard_model(load_policy(task.model_path, cfg.model.dtype).to(dist.device).eval()
                                 .requires_grad_(False), dist, cfg.dist.reshard_layers)
     teacher = load_teacher(cfg, task, dist, run_dir)
-    place_reward_models(task.reward_fns, dist.device, cfg.model.dtype, run_dir)  # frozen beside the policy, or served
+    place_reward_models(task.reward_fns, dist.device, cfg.model.dtype, run_dir, dist)  # frozen beside the policy, or served
     engine = build_engine(cfg, task, weights, policy, dist, engine)
     if lora.enabled:  # the engine serves the base: it takes the adapters (B = 0 in a new run) before the first step
         push(engine, policy)

@@ -128,6 +128,55 @@ def test_a_placed_reward_model_loads_in_the_run_s_dtype_once(tmp_path):
     assert rm.fn.model is loaded
 
 
+class Ranks:
+    """What place_reward_models asks of the job's Dist: rank `rank` of 2, rank 0's broadcast recorded."""
+
+    def __init__(self, rank: int, sent: list) -> None:
+        self.rank, self.world_size, self.sent = rank, 2, sent
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def broadcast(self, obj):
+        if self.is_main:
+            self.sent.append(obj)
+        return self.sent[-1]
+
+
+def test_at_two_ranks_rank_0_starts_the_one_reward_server_and_both_ranks_use_it(tmp_path, monkeypatch):
+    import grpo_cli.served as served
+    from grpo_cli.rewards.load import close_reward_models, place_reward_models
+
+    path = classifier(tmp_path)
+    started, stopped = [], []
+
+    class Started:
+        url = "http://127.0.0.1:8123"
+
+        def stop(self):
+            stopped.append(self.url)
+
+    def start_server(model_path, name, args, log, timeout_s, key):
+        started.append((model_path, key, str(log.parent)))
+        return Started()
+
+    monkeypatch.setattr(served, "start_server", start_server)
+    sent: list = []
+    specs = [RewardSpec(name="served", model=path, server="start"), RewardSpec(name="here", model=path),
+             RewardSpec(name="correct", weight=0.0, correctness=True)]
+    on_rank = {rank: load_rewards(specs) for rank in (0, 1)}
+    place_reward_models(on_rank[0], "cpu", "float32", tmp_path, Ranks(0, sent))
+    place_reward_models(on_rank[1], "cpu", "float32", tmp_path, Ranks(1, sent))
+    assert started == [(path, "rewards[0].server", str(tmp_path))] and sent == [Started.url]  # one server, rank 0's
+    assert [r[0].fn.server.url for r in on_rank.values()] == [Started.url] * 2
+    assert all(r[1].fn.model is not None for r in on_rank.values())  # in process: every rank loads its own copy
+    close_reward_models(on_rank[1])
+    assert stopped == []  # rank 1 does not stop rank 0's server
+    close_reward_models(on_rank[0])
+    assert stopped == [Started.url]
+
+
 def test_grpo_reward_checks_a_reward_model_s_scores_against_ranges(tmp_path, capsys):
     """A case's expected score of a reward model is a range [low, high] (null: open), which grpo reward checks;
     a score outside it fails the case, and a malformed range is refused with the case's line."""

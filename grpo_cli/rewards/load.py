@@ -169,12 +169,24 @@ def validate_columns(rows: list[dict], needed: list, where: str = "row") -> None
 LEARNED = (RewardModel, Judge)  # the rewards that hold a model or a server
 
 
-def place_reward_models(rewards: list[WeightedReward], device: Any, dtype: str, log_dir: Any = None) -> None:
+def place_reward_models(rewards: list[WeightedReward], device: Any, dtype: str, log_dir: Any = None,
+                        ranks: Any = None) -> None:
     """Every learned reward ready to score: a reward model onto the trainer's device in model.dtype, loaded now,
-    or a server it starts (server=start) started, its log in `log_dir`."""
+    or a server it starts (server=start) started, its log in `log_dir`. With `ranks` (the job's Dist) at world size
+    > 1, rank 0 alone starts a server=start and every rank sends its requests there: one server for the job, as
+    for a served teacher (server=start is refused at dist.nnodes > 1, so every rank reaches it on this machine)."""
     for reward in rewards:
-        if isinstance(reward.fn, LEARNED):
+        if not isinstance(reward.fn, LEARNED):
+            continue
+        link = getattr(reward.fn, "server", None)
+        shared = ranks is not None and ranks.world_size > 1 and link is not None and link.setting == "start"
+        if not shared or ranks.is_main:
             reward.fn.place(device, dtype, log_dir)
+        if shared:
+            url = ranks.broadcast(link.url if ranks.is_main else None)
+            if not ranks.is_main:
+                link.attach(url)
+                reward.fn.place(device, dtype, log_dir)  # the server is rank 0's: nothing starts here
 
 
 def close_reward_models(rewards: list[WeightedReward]) -> None:

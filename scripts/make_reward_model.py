@@ -12,8 +12,9 @@ What it does, top to bottom:
    (Qwen2ForSequenceClassification), its input the question, a newline and the completion (the reward model's
    `plain` template, grpo_cli/rewards/model.py), binary cross-entropy, AdamW;
 3. each further round (--rounds) trains the shipped base policy against the model so far with
-   `grpo train recipe=bike_pricing_rm` for --rl-steps steps (where an over-optimized policy finds what the model
-   wrongly pays for: 80 steps were enough for round 1's), samples that policy on the next --prompts training
+   `grpo train recipe=bike_pricing_rm` at bike_pricing's rates (trainer.lr=3e-4, norm_lr_scale=10) for --rl-steps
+   steps (where an over-optimized policy finds what the model wrongly pays for: 80 steps were enough for round
+   1's), samples that policy on the next --prompts training
    questions, labels them with the checker, and trains the model on to the union for --round-epochs epochs: the
    iterated reward modelling of RLHF, which shows the model the answers its own optimization produces;
 4. measures the final model on held-out samples (questions it never saw) of the base policy and of each round's
@@ -141,6 +142,7 @@ def rl_policy(model, tokenizer, steps: int, work: Path) -> str:
     model.save_pretrained(rm_dir)
     tokenizer.save_pretrained(rm_dir)
     done = subprocess.run([sys.executable, "-m", "grpo_cli", "train", "recipe=bike_pricing_rm", f"rewards.0.model={rm_dir}",
+                           "trainer.lr=3e-4", "trainer.norm_lr_scale=10",  # the rates that over-optimize
                            f"trainer.steps={steps}", "eval.every=0", "checkpoint.every=0", f"output_dir={work / 'rl'}"],
                           cwd=REPO, capture_output=True, text=True)
     if done.returncode:

@@ -290,18 +290,30 @@ def test_a_judge_prompt_too_long_for_its_context_loses_the_middle_of_its_complet
 
 @pytest.mark.slow
 def test_a_judge_on_a_real_vllm_server_scores_its_parsed_replies_and_fails_the_unreadable(tmp_path):
-    """rewards[i].judge with server=start: a real vLLM server on the shipped bike model (no chat template: the plain
-    prompt through /v1/completions, 3 prompts a request). Its greedy replies, asked again from the server directly,
-    parsed by the recipe's regex, are the scores; with the yes_no parser none of its replies reads, and every
-    sample fails (on_failure); `close` stops the server. A completion longer than the judge's 512-token context is
-    cut in its middle to fit (the template whole around it) instead of failing its request of 3; a prompt too long
-    for any completion fails its own sample only."""
+    """rewards[i].judge with server=start: a real vLLM server on the shipped bike model given a chat template (no
+    chat model is shipped), read two ways. template=plain: the prompt as it is through /v1/completions, 3 prompts
+    a request; template=chat: the prompt as the user's turn of its chat template through /v1/chat/completions. The
+    greedy replies, asked again from the server directly, parsed by the recipe's regex, are the scores; with the
+    yes_no parser none of its replies reads, and every sample fails (on_failure); `close` stops the server. A
+    completion longer than the judge's 512-token context is cut in its middle to fit (the template whole around
+    it) instead of failing its request of 3, in a chat turn too; a prompt too long for any completion fails its
+    own sample only."""
+    import shutil
+
+    from conftest import CHATML_TEMPLATE
+    from transformers import AutoTokenizer
+
     from grpo_cli.rewards.judge import CUT_MARKER
     from grpo_cli.served import post_json
 
+    chat_model = tmp_path / "bike_chat"  # the shipped bike model with ChatML: a chat model's files
+    shutil.copytree(resolve_model_path("builtin:bike_base"), chat_model)
+    tokenizer = AutoTokenizer.from_pretrained(chat_model)
+    tokenizer.chat_template = CHATML_TEMPLATE
+    tokenizer.save_pretrained(chat_model)
     template = "{prompt} The bill is {answer}.\n{completion}\nsubtotal:"
-    spec = dict(name="judge", judge=template, server="start", model="builtin:bike_base", parser=r"(\d+)\.",
-                max_tokens=12, batch_size=3, timeout_s=30.0)
+    spec = dict(name="judge", judge=template, server="start", model=str(chat_model), parser=r"(\d+)\.",
+                max_tokens=12, batch_size=3, timeout_s=30.0, template="plain")
     (judge,) = load_rewards([RewardSpec(**spec)])
     long_answer = "city bike: 2 x 9 = 18.00\n" * 40 + "Answer: 18.00"  # ~1,000 characters, one token each
     answers = ["36", "4", "240", "12", "9", "18", "1"]
@@ -330,14 +342,30 @@ def test_a_judge_on_a_real_vllm_server_scores_its_parsed_replies_and_fails_the_u
 
         want = [float(m.group(1)) if (m := re.search(r"(\d+)\.", r)) else None for r in replies]
         assert scores[:6] == want and any(s is not None for s in scores), (replies, scores)
+        (chat,) = load_rewards([RewardSpec(**{**spec, "name": "judge_chat", "template": "chat",
+                                              "server": judge.fn.server.url})])
+        chat_scores = chat.fn(completions, prompt=prompts, answer=answers)
+        chat_texts = chat.fn.prompts(completions, prompts, {"answer": answers})
+        assert chat.fn.chat and chat_texts[:5] == texts[:5] and chat_texts[6] is None and chat_scores[6] is None
+        assert CUT_MARKER.split("{")[0] in chat_texts[5]  # cut to fit the chat turn
+        counted = post_json(f"{judge.fn.server.url}/tokenize", {"model": "judge", "add_generation_prompt": True,
+                                                                "messages": [{"role": "user", "content": chat_texts[5]}]}, 60)
+        assert counted["count"] <= 512 - 12
+        chat_replies = [post_json(f"{judge.fn.server.url}/v1/chat/completions",
+                                  {"model": "judge", "messages": [{"role": "user", "content": t}], "max_tokens": 12,
+                                   "temperature": 0.0}, 60)["choices"][0]["message"]["content"] for t in chat_texts[:6]]
+        want = [float(m.group(1)) if (m := re.search(r"(\d+)\.", r)) else None for r in chat_replies]
+        assert chat_scores[:6] == want and any(s is not None for s in chat_scores), (chat_replies, chat_scores)
+        assert chat_replies != replies  # the turn's markup reached the model: not the plain prompts' replies
         completions, prompts, answers = completions[:5], prompts[:5], answers[:5]
-        (strict,) = load_rewards([RewardSpec(**{**spec, "name": "judge_yes_no", "parser": "yes_no",
-                                                "server": judge.fn.server.url})])
-        failures = RewardFailures()
-        scored = score([strict], completions, {"answer": answers}, "answer_line", failures,
-                       context=SampleContext(prompts=prompts))
-        assert failures.counts["judge_yes_no"] == 5 and scored.per_function["judge_yes_no"] == [0.0] * 5
-        assert "not a finite number" in failures.last_error["judge_yes_no"]
+        for name, template_kind in (("judge_yes_no", "plain"), ("judge_chat_yes_no", "chat")):
+            (strict,) = load_rewards([RewardSpec(**{**spec, "name": name, "parser": "yes_no", "template": template_kind,
+                                                    "server": judge.fn.server.url})])
+            failures = RewardFailures()
+            scored = score([strict], completions, {"answer": answers}, "answer_line", failures,
+                           context=SampleContext(prompts=prompts))
+            assert failures.counts[name] == 5 and scored.per_function[name] == [0.0] * 5
+            assert "not a finite number" in failures.last_error[name]
     finally:
         process = judge.fn.server.started.process if judge.fn.server.started else None
         judge.fn.close()

@@ -15,6 +15,7 @@
   chat recipes (gsm8k, math).
 - `tiny_tool_model_dir`: a tiny Qwen2 with a tool-taking chat template (`tool_chat_tokenizer`), taught to
   answer any prompt with two native `<tool_call>`s in one message, for the chat tool format (gsm8k_tools);
+  committed in tests/fixtures (`build_tiny_tool_model`);
   `tool_chat_model_dir` the same files untrained, for what reads a model's files only (`grpo check`).
 - `cli`: `grpo ARGS` in this process, with its exit code and output.
 """
@@ -159,17 +160,26 @@ def tool_chat_model_dir(tmp_path_factory) -> Path:
     return path
 
 
+TINY_TOOL_MODEL_DIR = Path(__file__).parent / "fixtures" / "tiny_tool_model"  # build_tiny_tool_model's files
+
+
 @pytest.fixture(scope="session")
-def tiny_tool_model_dir(tmp_path_factory) -> Path:
+def tiny_tool_model_dir() -> Path:
+    """`build_tiny_tool_model`'s model, committed in tests/fixtures (training it takes ~40 s of every suite)."""
+    return TINY_TOOL_MODEL_DIR
+
+
+def build_tiny_tool_model(path: Path) -> None:
     """A tiny Qwen2 with `tool_chat_tokenizer`, taught in 600 steps (about 40 s) to answer any prompt showing the
     calculator with one message of two calls of it in that syntax (TOOL_CALLS), so a run on it makes real native
-    calls, several in a turn."""
+    calls, several in a turn. The committed fixture was made by
+    `.venv/bin/python -c "import sys; sys.path.insert(0, 'tests'); import conftest; conftest.build_tiny_tool_model(conftest.TINY_TOOL_MODEL_DIR)"`
+    (a change to the tokenizer, the template or TOOL_CALLS needs it run again: test_tools.py checks they match)."""
     import torch
     from transformers.utils import get_json_schema
 
     from grpo_cli.tools import calculator
 
-    path = tmp_path_factory.mktemp("tiny_tool_model")
     tokenizer = tool_chat_tokenizer()
     model = untrained_tool_model(tokenizer)
     schemas = [get_json_schema(calculator)]
@@ -178,7 +188,7 @@ def tiny_tool_model_dir(tmp_path_factory) -> Path:
     # A linear decay to zero: at a constant rate a few sampled calls still come out garbled (28 of 32 exact
     # at temperature 0.2 after 300 steps), with it all 32 do, so the native-call test does not hang on luck.
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 - s / 600)
-    for step in range(600):  # about 30 s: after any chat prompt showing the calculator, the calls (104 tokens)
+    for step in range(600):  # after any chat prompt showing the calculator, the calls (104 tokens)
         g = torch.Generator().manual_seed(step)
         split = 4 + step % 37
         words = torch.randint(0, 500, (4, 48), generator=g)  # questions, and system prompts, of any length
@@ -197,7 +207,6 @@ def tiny_tool_model_dir(tmp_path_factory) -> Path:
         schedule.step()
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="session")

@@ -753,6 +753,18 @@ def test_a_chat_trajectory_continues_through_the_templates_tool_role(tool_tokeni
     assert capped.capped == [["tool_calls"]] and capped.tool_calls() == [[]]  # 3 calls in a turn: past the cap of 2
 
 
+def test_the_committed_tiny_tool_model_has_the_tokenizer_and_template_the_tests_build(tiny_tool_model_dir):
+    """tests/fixtures/tiny_tool_model was trained on `tool_chat_tokenizer` and TOOL_CALLS (conftest's
+    build_tiny_tool_model): a change to either without rebuilding it would test an old model."""
+    from conftest import tool_chat_tokenizer
+    from transformers import AutoConfig, AutoTokenizer
+
+    built, committed = tool_chat_tokenizer(), AutoTokenizer.from_pretrained(tiny_tool_model_dir)
+    assert committed.get_vocab() == built.get_vocab() and committed.chat_template == built.chat_template
+    assert committed.eos_token == built.eos_token == "<|im_end|>"
+    assert AutoConfig.from_pretrained(tiny_tool_model_dir).vocab_size == len(built)
+
+
 @pytest.mark.slow
 def test_gsm8k_tools_runs_end_to_end_with_native_calls(tmp_path, tiny_tool_model_dir):
     """`grpo train recipe=gsm8k_tools` on local rows and the tiny tool model (transformers engine): the

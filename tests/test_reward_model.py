@@ -128,6 +128,26 @@ def test_a_placed_reward_model_loads_in_the_run_s_dtype_once(tmp_path):
     assert rm.fn.model is loaded
 
 
+def test_a_reward_model_input_past_its_context_loses_the_middle_of_its_completion_not_the_question(tmp_path):
+    """A completion that would push the question out of the model's 512 tokens (the tokenizer truncates on the
+    left) is cut in its middle instead, counted with the model's tokenizer; a short one is read whole; a question
+    too long by itself keeps the text's end, as before."""
+    from grpo_cli.rewards.model import render_plain
+
+    path = classifier(tmp_path)
+    (rm,) = load_rewards([RewardSpec(name="rm", model=path)])
+    question, long = PROMPTS[0], "city bike: 2 x 9 = 18.00\n" * 80 + "Answer: 18.00"
+    cut, whole = rm.fn.texts([long, COMPLETIONS[0]], [question, question])
+    assert whole == render_plain(question, COMPLETIONS[0], None)
+    assert cut.startswith(question + "\ncity bike: 2 x 9 = 18.00\n") and cut.endswith("\nAnswer: 18.00")
+    assert " tokens cut to fit the reward model's context ...]\n" in cut
+    tokens = len(rm.fn.tokenizer(cut)["input_ids"])
+    assert rm.fn.max_tokens - 80 <= tokens <= rm.fn.max_tokens < len(rm.fn.tokenizer(render_plain(question, long, None))["input_ids"])
+    assert rm.fn([long], prompt=[question]) == pytest.approx(reference_logits(path, [cut]), abs=1e-5)
+    huge = "Price? " * 600
+    assert rm.fn.texts(["Answer: 1"], [huge]) == [render_plain(huge, "Answer: 1", None)]
+
+
 class Ranks:
     """What place_reward_models asks of the job's Dist: rank `rank` of 2, rank 0's broadcast recorded."""
 

@@ -27,12 +27,12 @@ from typing import Any
 
 from grpo_cli.errors import UsageError
 from grpo_cli.model_files import checked_model_path
+from grpo_cli.rewards.fit import cut_to_fit
 from grpo_cli.served import ServerLink
 
 SERVED_NAME = "judge"  # the model name a server started here answers to
 NUMBER = r"(-?\d+(?:\.\d+)?)"
 CUT_MARKER = "\n[... {count} tokens cut to fit the judge's context ...]\n"  # where a long completion lost its middle
-CUT_SLACK_TOKENS = (4, 16, 64)  # tokens spared beyond the marker's for the re-tokenized seams, one try each
 
 
 def parse_score_10(reply: str) -> float | None:
@@ -118,22 +118,11 @@ class JudgeContext:
     def fitted(self, template: str, values: dict[str, Any]) -> str | None:
         """The template filled with `values`, its completion cut in the middle if the whole would not fit; None
         when even an empty completion would not (the sample fails, the request's others do not)."""
-        text = template.format(**values)
-        over = self.excess(text)
-        if over <= 0:
-            return text
-        ids = self.tokens(values["completion"])
-        marker = len(self.tokens(CUT_MARKER.format(count=len(ids))))
-        for slack in CUT_SLACK_TOKENS:
-            keep = len(ids) - over - marker - slack
-            if keep <= 0:
-                return None
-            head = self.server.post("/detokenize", {"tokens": ids[:keep // 2]})["prompt"]
-            tail = self.server.post("/detokenize", {"tokens": ids[len(ids) - (keep - keep // 2):]})["prompt"]
-            text = template.format(**{**values, "completion": head + CUT_MARKER.format(count=len(ids) - keep) + tail})
-            if self.excess(text) <= 0:
-                return text
-        return None
+        def detokenize(ids: list[int]) -> str:
+            return self.server.post("/detokenize", {"tokens": ids})["prompt"]
+
+        return cut_to_fit(lambda completion: template.format(**{**values, "completion": completion}), self.excess,
+                          self.tokens, detokenize, values["completion"], CUT_MARKER)
 
 
 class Judge:

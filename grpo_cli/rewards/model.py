@@ -21,9 +21,11 @@ from typing import TYPE_CHECKING, Any
 
 from grpo_cli.errors import UsageError
 from grpo_cli.model_files import checked_model_path
+from grpo_cli.rewards.fit import cut_to_fit
 from grpo_cli.served import ServerLink
 
 SERVED_NAME = "reward_model"  # the model name a server started here answers to
+CUT_MARKER = "\n[... {count} tokens cut to fit the reward model's context ...]\n"  # where a long completion lost its middle
 
 if TYPE_CHECKING:
     import torch
@@ -111,8 +113,17 @@ class RewardModel:
         return self.model
 
     def texts(self, completions: list[str], prompts: list[str]) -> list[str]:
-        """What the reward model reads for each sample."""
-        return [self.render(p, c, self.tokenizer) for p, c in zip(prompts, completions, strict=True)]
+        """What the reward model reads for each sample: the rendered prompt and completion, the completion's middle
+        cut where the whole would pass the model's context (rewards/fit.py). Where the prompt alone does not fit,
+        the text keeps its end (the tokenizer truncates on the left)."""
+        return [self.fitted(p, c) for p, c in zip(prompts, completions, strict=True)]
+
+    def fitted(self, prompt: str, completion: str) -> str:
+        tokenizer = self.tokenizer
+        return cut_to_fit(lambda c: self.render(prompt, c, tokenizer),
+                          lambda text: len(tokenizer(text)["input_ids"]) - self.max_tokens,  # as the forward pass reads it
+                          lambda text: tokenizer(text, add_special_tokens=False)["input_ids"], tokenizer.decode,
+                          completion, CUT_MARKER) or self.render(prompt, completion, tokenizer)
 
     def logits(self, texts: list[str]) -> list[float]:
         """The chosen logit of each text, `batch_size` texts a forward pass (or a request, when served)."""

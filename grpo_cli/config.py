@@ -535,6 +535,12 @@ class TrainConfig:
                  f"{len(marked)} rewards are marked correctness: true ({', '.join(marked) or 'none'}); mark exactly one, "
                  "the task's correctness check (it gives pass@1, the zero-variance groups and the best checkpoint), "
                  "e.g. rewards=[{name:correct,weight:1.0,correctness:true},{name:format,weight:0.1}]")
+        checks = [(i, spec) for i, spec in enumerate(self.rewards) if spec.correctness or len(self.rewards) == 1]
+        _require(self.data.sampler.name == "uniform" or checks[0][1].weight != 0, "data.sampler.name",
+                 f"{self.data.sampler.name} chooses prompts by their groups' pass rate under the correctness check, "
+                 f"rewards[{checks[0][0]}] {checks[0][1].name}, which has weight 0 here: the run would choose its prompts "
+                 "by a score it does not train on (a gold score logged beside a learned reward); use "
+                 "data.sampler.name=uniform, or give that reward a weight")
         _require(self.model.dtype == "float32" or self.rollout.push_check_tol >= 0.02 or not self.rollout.push_check_every,
                  "rollout.push_check_tol", f"{self.rollout.push_check_tol} is below {self.model.dtype}'s round-off, "
                  "which alone moves the engine's and the trainer's logprobs further; set it to 0.05 (or turn the "

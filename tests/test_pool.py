@@ -148,6 +148,17 @@ def test_bad_sampler_settings_name_the_key(overrides, message):
     assert message in str(raised.value)
 
 
+def test_a_sampler_refuses_to_choose_prompts_by_a_correctness_check_the_run_does_not_train_on(cli):
+    """recipe=bike_pricing_rm trains on a reward model and logs the checker with weight 0: a pool reading the
+    checker's pass rates would steer the run by the gold score. Refused before any model loads; the same sampler
+    on bike_pricing (the checker trained on) is not."""
+    refused = cli("train", "recipe=bike_pricing_rm", "data.sampler.name=skip_settled")
+    assert refused.returncode == 2 and "data.sampler.name: skip_settled chooses prompts by their groups' pass rate " \
+        "under the correctness check, rewards[1] correct, which has weight 0 here" in refused.stderr
+    assert cli("check", "recipe=bike_pricing_rm", "data.sampler.name=uniform").returncode == 0
+    assert cli("check", "recipe=bike_pricing", "data.sampler.name=skip_settled").returncode == 0
+
+
 def test_a_column_missing_from_a_row_is_named():
     rows = [{"question": "a", "tier": 1}, {"question": "b"}]
     assert column_values(rows, SamplerConfig()) is None  # only signal_by_column reads it

@@ -321,7 +321,7 @@ def test_a_trusted_tools_worker_in_the_sandbox_reaches_nothing_of_the_host(tmp_p
         tool.worker.close()
     assert result.ok, result.text
     seen = json.loads(result.text)
-    assert seen["uid"] == (sandbox.host_id() or sandbox.SANDBOX_UID) != 0 and seen["processes"] <= 3 and not seen["secret"] and not seen["home"]
+    assert seen["uid"] in (sandbox.spare_ids() or (sandbox.SANDBOX_UID,)) and seen["processes"] <= 3 and not seen["secret"] and not seen["home"]
     assert seen["own_module"] and seen["tamper"] != "written" and seen["network"] != "connected"
     assert not Path(__file__).read_text().endswith("# tampered\n")
 
@@ -424,8 +424,9 @@ print(json.dumps(seen))
     text, ok = run(code)
     assert ok, text
     seen = json.loads(text)
-    uid = sandbox.host_id() if os.geteuid() == 0 else sandbox.SANDBOX_UID
-    assert uid not in (None, 0) and seen["ids"] == [uid] * 6 and seen["groups"] == [], seen
+    uid = seen["ids"][0]
+    assert uid in (sandbox.spare_ids() or (sandbox.SANDBOX_UID,)) and seen["ids"] == [uid] * 6, seen
+    assert seen["groups"] == [], seen
     assert seen["caps"] == ["0000000000000000"] * 3, seen
     assert all(seen[p] in ("PermissionError", "OSError") for p in ("/proc/sys/kernel/core_pattern",
                "/proc/sys/vm/overcommit_ratio", "/proc/sys/kernel/hostname")), seen
@@ -458,8 +459,9 @@ def _keyctl(*args):
 
 
 def test_keyrings_do_not_cross_the_boundary():
-    """A secret in the trainer's session keyring is out of reach (no keyring call but joining a new empty one,
-    /proc/keys masked); a key planted in any keyring stays nowhere: not on the host, not for the next call."""
+    """A secret in the trainer's session keyring is out of reach (no keyring call at all once the bootstrap has
+    joined a new empty one, /proc/keys masked); a key planted in any keyring stays nowhere: not on the host, not
+    for the next call."""
     import ctypes
 
     libc = ctypes.CDLL(None, use_errno=True)
@@ -485,7 +487,6 @@ print(json.dumps(seen))
         text, ok = run(plant)
         assert ok, text
         seen = json.loads(text)
-        assert seen.pop("join_new") == "ok", seen  # the one request let through
         assert "hunter2" not in text and "grpo-secret" not in seen["proc_keys"], seen
         assert seen.pop("proc_keys") in ("", "PermissionError"), seen
         assert set(seen.values()) == {"EPERM"}, seen
@@ -577,7 +578,7 @@ def test_a_part_the_machine_lacks_fails_closed_in_one_line(monkeypatch):
     from grpo_cli.tools import seccomp
 
     def forget():
-        for cached in (sandbox.problem, sandbox.host_id, seccomp.program):
+        for cached in (sandbox.problem, sandbox.spare_ids, seccomp.program, sandbox.keyring_boot):
             cached.cache_clear()
 
     def missing():
@@ -596,3 +597,344 @@ def test_a_part_the_machine_lacks_fails_closed_in_one_line(monkeypatch):
         monkeypatch.undo()
         forget()
     assert sandbox.problem() is None
+
+
+# ------------------------------------------------------------------------ issue 64: calls against each other
+# GRPO runs a group's calls at once, and a policy gains relative advantage by making its group-mates' calls fail,
+# or by passing them bits. Each attack below got through before issue 64 (the trainer as root here, every call
+# as one shared spare uid).
+
+ROOT = os.geteuid() == 0
+
+
+def _concurrently(hog: str, victim: str, victims: int, start_s: float = 0.7) -> tuple[tuple[str, bool], list]:
+    """Run `hog` as one call and, once it has had `start_s` to set up, `victims` calls of `victim` one after the
+    other while it still runs: (the hog's (text, ok), the victims' (text, ok))."""
+    import threading
+
+    hogged: list[tuple[str, bool]] = []
+    thread = threading.Thread(target=lambda: hogged.append(run(hog)))
+    thread.start()
+    time.sleep(start_s)
+    try:
+        seen = [run(victim) for _ in range(victims)]
+    finally:
+        thread.join(30)
+    return hogged[0], seen
+
+
+def test_one_call_cannot_drain_the_key_quota_of_its_group_mates():
+    """Joining new session keyrings in a loop (each one charged to the uid's quota of 200 keys) filled the shared
+    uid's quota, and every concurrent call failed at its bootstrap's join: now the bootstrap's join is the last
+    keyring call a call makes, and a concurrent call runs as another uid anyway."""
+    hog = SYSCALL_HELPER + """import time
+joined, end = 0, time.monotonic() + 2.5
+while time.monotonic() < end:
+    joined += call("keyctl", 1, 0) == "ok"
+print(joined)
+"""
+    (hog_text, hog_ok), seen = _concurrently(hog, "print('answered')", victims=4)
+    assert hog_ok and hog_text == "0", hog_text
+    assert seen == [("answered", True)] * 4, seen
+
+
+PIPE_HOG = """import os, time
+held = [os.pipe() for _ in range(1200)]  # 1200 x 16 pages: past the uid's 16384 pipe pages
+for _ in range(12):
+    if os.fork() == 0:
+        time.sleep(4)
+        os._exit(0)
+time.sleep(3)
+print("held")
+"""
+
+
+@pytest.mark.skipif(not ROOT, reason="a uid of its own per call is a root trainer's")
+def test_per_uid_quotas_and_process_counts_do_not_cross_calls():
+    """Pipe pages and RLIMIT_NPROC's task count are per uid: with one uid for all calls, one call's 1200 pipes
+    shrank a concurrent call's pipes to 2 pages, and its 12 sleeping processes made the other's fork fail under a
+    small RLIMIT_NPROC (a count another call can read: a channel). Now each call runs as a uid of its own."""
+    victim = """import fcntl, json, os, resource
+r, w = os.pipe()
+seen = {"pipe": fcntl.fcntl(r, 1032), "uid": os.getuid()}  # F_GETPIPE_SZ
+resource.setrlimit(resource.RLIMIT_NPROC, (4, 4))
+try:
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+    seen["fork"] = "ok"
+except OSError as e:
+    seen["fork"] = type(e).__name__
+print(json.dumps(seen))
+"""
+    (hog_text, hog_ok), seen = _concurrently(PIPE_HOG.replace("print(\"held\")", "print(os.getuid())"), victim,
+                                             victims=2)
+    assert hog_ok, hog_text
+    for text, ok in seen:
+        assert ok, text
+        got = json.loads(text)
+        assert got["pipe"] == 65536 and got["fork"] == "ok" and got["uid"] != int(hog_text), (got, hog_text)
+
+
+def test_inotify_message_queues_and_pipe_resizing_are_refused():
+    """The rest of the per-uid quotas: inotify instances (and their watches on the shared read-only /usr, which
+    would see what another call reads), POSIX message-queue bytes and F_SETPIPE_SZ are refused outright."""
+    code = SYSCALL_HELPER + """import fcntl, os, resource
+NR.update({"x86_64": {"inotify_init1": 294, "mq_open": 240}, "aarch64": {"inotify_init1": 26, "mq_open": 180}}[os.uname().machine])
+seen = {"inotify": call("inotify_init1", 0), "mq_open": call("mq_open", b"/q", 0o100 | 2, 0o600, 0),
+        "msgqueue_limit": list(resource.getrlimit(resource.RLIMIT_MSGQUEUE))}
+r, w = os.pipe()
+for name, command in (("setpipe", 1031), ("setpipe_high_bits", 1031 | 1 << 32)):
+    try:
+        seen[name] = libc.fcntl(r, ctypes.c_uint64(command), 1 << 20) >= 0 and "ok" or errno.errorcode[ctypes.get_errno()]
+    except OSError as e:
+        seen[name] = type(e).__name__
+print(json.dumps(seen))
+"""
+    text, ok = run(code)
+    assert ok, text
+    assert json.loads(text) == {"inotify": "EPERM", "mq_open": "EPERM", "msgqueue_limit": [0, 0],
+                                "setpipe": "EPERM", "setpipe_high_bits": "EPERM"}
+
+
+def test_file_locks_on_shared_files_are_refused():
+    """A lock on a file bound read-only from the host is seen by every call and by host processes: a channel, and
+    a way to hold off the host. flock and fcntl's record, open-file-description and lease commands are refused
+    (ENOLCK), high bits on the command included; a lock held on the host is not even readable."""
+    import fcntl
+
+    target = os.path.realpath(os.__file__)  # the standard library: bound inside, the same inode
+    code = SYSCALL_HELPER + f"""import fcntl, os, struct
+f = open({target!r}, "rb")
+seen = {{}}
+for name, do in (("flock", lambda: fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)),
+                 ("lockf", lambda: fcntl.lockf(f, fcntl.LOCK_SH | fcntl.LOCK_NB)),
+                 ("getlk", lambda: fcntl.fcntl(f, fcntl.F_GETLK, struct.pack("hhqqi", fcntl.F_WRLCK, 0, 0, 0, 0))),
+                 ("ofd", lambda: fcntl.fcntl(f, 37, struct.pack("hhqqi", fcntl.F_RDLCK, 0, 0, 0, 0))),
+                 ("lease", lambda: fcntl.fcntl(f, 1024, fcntl.F_RDLCK)),
+                 ("notify", lambda: fcntl.fcntl(os.open("/usr", os.O_RDONLY), 1026, 1))):
+    try:
+        do()
+        seen[name] = "ok"
+    except OSError as e:
+        seen[name] = errno.errorcode[e.errno]
+lock = struct.pack("hhqqi", fcntl.F_RDLCK, 0, 0, 0, 0)
+seen["setlk_high_bits"] = libc.fcntl(f.fileno(), ctypes.c_uint64(6 | 1 << 32), lock) >= 0 and "ok" or errno.errorcode[ctypes.get_errno()]
+print(json.dumps(seen))
+"""
+    with open(target, "rb") as held:  # the host holds a lock the code must not see
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        text, ok = run(code)
+    assert ok, text
+    assert json.loads(text) == {k: "ENOLCK" for k in ("flock", "lockf", "getlk", "ofd", "lease", "notify",
+                                                      "setlk_high_bits")}
+
+
+def test_the_page_cache_cannot_be_probed_or_evicted():
+    """Whether a page of a shared read-only file is cached is host state: a call that evicted pages
+    (posix_fadvise DONTNEED) could leave bits that a later call reads back (preadv2 RWF_NOWAIT, mincore,
+    cachestat). Every such call is refused; reading the file still works."""
+    code = SYSCALL_HELPER + """import mmap, os
+NR.update({"x86_64": {"readahead": 187, "cachestat": 451, "preadv2": 327},
+           "aarch64": {"readahead": 213, "cachestat": 451, "preadv2": 286}}[os.uname().machine])
+fd = os.open(os.__file__, os.O_RDONLY)
+seen = {"read": len(os.pread(fd, 16, 0))}
+for name, do in (("fadvise", lambda: os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)),
+                 ("willneed", lambda: os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)),
+                 ("nowait", lambda: os.preadv(fd, [bytearray(16)], 0, os.RWF_NOWAIT))):
+    try:
+        do()
+        seen[name] = "ok"
+    except OSError as e:
+        seen[name] = errno.errorcode[e.errno]
+seen["readahead"] = call("readahead", fd, 0, 4096)
+seen["cachestat"] = call("cachestat", fd, 0, 0, 0)
+m = mmap.mmap(fd, 4096, prot=mmap.PROT_READ)
+libc.mmap.restype, libc.mmap.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                                          ctypes.c_int, ctypes.c_int, ctypes.c_long]
+libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+page, residency = libc.mmap(None, 4096, 1, 2, fd, 0), ctypes.create_string_buffer(1)  # PROT_READ, MAP_PRIVATE
+seen["mincore"] = "ok" if libc.mincore(page, 4096, residency) == 0 else errno.errorcode[ctypes.get_errno()]
+for name, advice in (("pageout", 21), ("cold", 20)):
+    try:
+        m.madvise(advice)
+        seen[name] = "ok"
+    except OSError as e:
+        seen[name] = errno.errorcode[e.errno]
+print(json.dumps(seen))
+"""
+    text, ok = run(code)
+    assert ok, text
+    seen = json.loads(text)
+    assert seen.pop("read") == 16, seen
+    import errno
+
+    assert seen == {"fadvise": "EPERM", "willneed": "EPERM", "nowait": errno.errorcode[errno.EOPNOTSUPP],
+                    "readahead": "EPERM",
+                    "cachestat": "EPERM", "mincore": "EPERM", "pageout": "EPERM", "cold": "EPERM"}, seen
+
+
+def test_only_local_socket_families_can_be_made():
+    """AF_VSOCK sockets are outside the call's network namespace: a port one call binds is taken for the others
+    and for the host. Only AF_UNIX and the internet families (inside its own empty network namespace) are made;
+    vsock, netlink, packet and the rest, and a family with high bits set, are refused."""
+    code = SYSCALL_HELPER + """import os, socket
+NR.update({"x86_64": {"socket": 41, "socketpair": 53}, "aarch64": {"socket": 198, "socketpair": 199}}[os.uname().machine])
+seen = {}
+for name, family in (("unix", 1), ("inet", 2), ("inet6", 10), ("vsock", 40), ("netlink", 16), ("packet", 17),
+                     ("bluetooth", 31), ("alg", 38), ("zero", 0), ("rose", 11), ("vsock_high_bits", 40 | 1 << 32),
+                     ("unix_high_bits", 1 | 1 << 32)):
+    seen[name] = call("socket", ctypes.c_uint64(family), ctypes.c_long(2), ctypes.c_long(0))  # SOCK_DGRAM
+seen["pair_unix"] = "ok" if len(socket.socketpair()) == 2 else "?"
+seen["pair_vsock"] = call("socketpair", 40, 1, 0, ctypes.addressof((ctypes.c_int * 2)()))
+print(json.dumps(seen))
+"""
+    text, ok = run(code)
+    assert ok, text
+    seen = json.loads(text)
+    assert {k: seen.pop(k) for k in ("unix", "inet", "inet6", "pair_unix")} == dict.fromkeys(
+        ("unix", "inet", "inet6", "pair_unix"), "ok")
+    assert set(seen.values()) == {"EAFNOSUPPORT"}, seen
+
+
+def reads_a_path(argument):
+    """A trusted tool whose path argument the model steers: it lists what it is pointed at."""
+    import json
+    import os
+
+    seen = {}
+    for path in json.loads(argument):
+        try:
+            seen[path] = sorted(os.listdir(path)) if os.path.isdir(path) else os.stat(path) and "file"
+        except OSError as e:
+            seen[path] = type(e).__name__
+    return json.dumps(seen)
+
+
+def test_a_steered_bwrap_tool_sees_the_package_and_its_module_not_the_checkout():
+    """Under `make install`'s editable install the folder holding grpo_cli is the checkout: a `sandbox: bwrap`
+    tool steered to list it read runs/ (held-out data, checkpoints), recipes/ and .git. It now sees the grpo_cli
+    package and its own module's file, and nothing beside them."""
+    tests = Path(__file__).resolve().parent
+    paths = [str(REPO), str(REPO / ".git"), str(REPO / "recipes"), str(REPO / "runs"), str(REPO / "pyproject.toml"),
+             str(tests), str(tests / "conftest.py"), str(REPO / "grpo_cli" / "tools")]
+    (tool,) = load_tools([ToolSpec(function="test_sandbox:reads_a_path", timeout_s=30, sandbox="bwrap")])
+    try:
+        result = call_tool(tool, json.dumps(paths))
+    finally:
+        tool.worker.close()
+    assert result.ok, result.text
+    seen = json.loads(result.text)
+    venv = {Path(p).resolve().relative_to(REPO).parts[0] for p in sys.path  # its site-packages, where a venv is in it
+            if "site-packages" in p and Path(p).resolve().is_relative_to(REPO)}
+    assert seen[str(REPO)] == sorted({"grpo_cli", "tests"} | venv) and seen[str(tests)] == ["test_sandbox.py"], seen
+    assert all(seen[p] == "FileNotFoundError" for p in paths[1:5] + paths[6:7]), seen
+    assert "sandbox.py" in seen[str(REPO / "grpo_cli" / "tools")]
+
+
+def test_the_sweeper_outlives_a_cgroup_removed_under_it():
+    """The thread that empties and removes finished calls' cgroups died on a cgroup that was already gone, and
+    no later call's cgroup was removed (nor its uid given back) for the rest of the run."""
+    import threading
+
+    vanished = sandbox.CallGroup(sandbox.Limits(wall_s=1, memory_bytes=2**26, processes=4))
+    vanished.remove()  # gone before the sweeper gets there
+    sandbox._sweep_later(vanished)
+    made = []
+
+    class Recorded(sandbox.CallGroup):
+        def __init__(self, limits):
+            super().__init__(limits)
+            made.append(self)
+
+    original = sandbox.CallGroup
+    sandbox.CallGroup = Recorded
+    try:
+        assert run("print(6 * 7)") == ("42", True)
+    finally:
+        sandbox.CallGroup = original
+    waiter = threading.Thread(target=sandbox.settle, daemon=True)
+    waiter.start()
+    waiter.join(15)
+    assert not waiter.is_alive(), "the sweeper stopped: a later call's cgroup was never removed"
+    (group,) = made
+    assert not any(d.exists() for d in group.dirs)
+
+
+def test_a_call_gets_at_most_its_cpu_share():
+    """Nothing limited a call's CPU: 28 busy processes of one call slowed a concurrent call 1.6x with the kernel's
+    autogroup on, and would starve it with autogroup off. A call's cgroup now has a CPU quota: four busy
+    processes of a call allowed a quarter of a CPU get about that, on a machine with CPUs to spare."""
+    code = """import os, time
+end = time.monotonic() + 1.5
+children = []
+for _ in range(4):
+    if (pid := os.fork()) == 0:
+        while time.monotonic() < end:
+            pass
+        os._exit(0)
+    children.append(pid)
+for pid in children:
+    os.waitpid(pid, 0)
+t = os.times()
+print(t.children_user + t.children_system)
+"""
+    limits = sandbox.Limits(wall_s=10, memory_bytes=2**28, processes=8, cpus=0.25)
+    finished = sandbox.run([sandbox.interpreter(), "-I", "-S", "-c", code], limits, 4096)
+    assert finished.exit_code == 0, finished.output
+    cpu_s = float(finished.output)
+    assert 0.1 < cpu_s < 0.25 * 1.5 * 1.3, cpu_s  # 1.5 s of wall at a quarter CPU, and a margin
+    assert builtin.PYTHON_CPUS == 1.0
+
+
+@pytest.mark.skipif(not ROOT, reason="a uid of its own per call is a root trainer's")
+def test_sixteen_concurrent_calls_answer_each_as_a_uid_of_its_own():
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(16) as pool:
+        seen = list(pool.map(lambda _: run("import os, time; time.sleep(1.5); print(os.getuid())"), range(16)))
+    assert all(ok for _, ok in seen), seen
+    uids = {int(text) for text, _ in seen}
+    assert len(uids) == 16 and uids <= set(sandbox.spare_ids()), uids
+
+
+@pytest.mark.skipif(not ROOT, reason="a uid of its own per call is a root trainer's")
+def test_two_trainers_on_one_host_never_share_a_uid():
+    """Another trainer process (here a second Python) calling at the same time leases another uid: the leases are
+    files under /run that every trainer on the host locks."""
+    other = subprocess.Popen([sys.executable, "-c", "from grpo_cli.tools import builtin; print(builtin.python("
+                              "'import os, time; print(os.getuid()); time.sleep(3)'), flush=True)"],
+                             stdout=subprocess.PIPE, text=True, cwd=REPO)
+    time.sleep(1.5)
+    try:
+        mine, ok = run("import os; print(os.getuid())")
+    finally:
+        theirs = other.communicate(timeout=60)[0].strip()
+    assert ok and other.returncode == 0 and int(mine) != int(theirs), (mine, theirs)
+
+
+@pytest.mark.skipif(not ROOT, reason="a uid of its own per call is a root trainer's")
+def test_a_lease_left_by_a_killed_trainer_is_recovered_with_its_processes_killed():
+    """A trainer SIGKILLed while it holds a uid leaves no lease (the kernel drops its lock) but may leave that
+    uid's processes: the next lease of the uid kills them before any code runs as it."""
+    sandbox.settle()  # this process's own leases given back
+    holder = subprocess.Popen([sys.executable, "-c", "from grpo_cli.tools import sandbox; import time; "
+                               "print(sandbox.lease_uid().uid, flush=True); time.sleep(60)"],
+                              stdout=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        uid = int(holder.stdout.readline())
+        leftover = subprocess.Popen(["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "sleep", "60"])
+        time.sleep(0.3)
+        assert leftover.pid in sandbox.uid_processes(uid)
+    finally:
+        holder.kill()  # SIGKILL: no cleanup of its own
+        holder.wait()
+    assert (sandbox.LEASE_DIR / str(uid)).read_bytes()[:1] == b"1"  # marked in use when it died
+    lease = sandbox.lease_uid()
+    try:
+        assert lease.uid == uid and sandbox.uid_processes(uid) == []
+        assert leftover.wait(5) == -9
+    finally:
+        lease.give_back()
+    assert (sandbox.LEASE_DIR / str(uid)).read_bytes()[:1] == b"0"

@@ -48,18 +48,20 @@ PYTHON_CPU_SECONDS = 5  # CPU time (RLIMIT_CPU); a loop forever is killed by the
 PYTHON_WALL_SECONDS = 8.0  # wall time (a sleep uses no CPU), then every process of the call is killed; under timeout_s's 10
 PYTHON_MEMORY_BYTES = 512 * 2**20  # address space per process (RLIMIT_AS); in the sandbox also all processes together
 PYTHON_PROCESSES = 32  # processes (and threads) at once, in the sandbox (its cgroup's pids.max)
+PYTHON_CPUS = 1.0  # CPU seconds per wall second, all its processes together, in the sandbox (its cgroup's quota)
 PYTHON_OUTPUT_BYTES = 16 * 2**10  # stdout + stderr, read from a pipe up to this; more ends the call (and RLIMIT_FSIZE)
 PYTHON_KEPT_ENV = ("PATH", "LANG", "LC_ALL", "TZ")  # unsandboxed: everything else (API keys, tokens) is dropped
 
 
-# The child joins a new session keyring (sandbox.KEYRING_BOOT) and sets its own limits (from its arguments),
-# then runs the code; no preexec_fn, which is unsafe in a process with threads (the trainer's, when a tool runs
-# in process).
-_BOOTSTRAP = sandbox.KEYRING_BOOT + """import resource, sys
+# The child joins a new session keyring and locks the keyrings (sandbox.keyring_boot) and sets its own limits
+# (from its arguments), then runs the code; no preexec_fn, which is unsafe in a process with threads (the
+# trainer's, when a tool runs in process). No POSIX message queue bytes (RLIMIT_MSGQUEUE): they count against
+# the uid (issue 64; the filter refuses mq_open too).
+_BOOTSTRAP = """import resource, sys
 _F(("prctl", _D))(1, 9)  # PR_SET_PDEATHSIG, SIGKILL: killed with its parent (a tool worker killed on its timeout)
 cpu, memory, output, code = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 for limit, value in ((resource.RLIMIT_CPU, cpu), (resource.RLIMIT_AS, memory), (resource.RLIMIT_FSIZE, output),
-                     (resource.RLIMIT_CORE, 0)):
+                     (resource.RLIMIT_CORE, 0), (resource.RLIMIT_MSGQUEUE, 0)):
     resource.setrlimit(limit, (value, value + (limit == resource.RLIMIT_CPU)))  # CPU: SIGXCPU, then SIGKILL
 del sys.argv[1:5]
 exec(compile(code, "<code>", "exec"), {"__name__": "__main__"})
@@ -116,13 +118,13 @@ def _run_bare(program: list[str]) -> tuple[int | None, bytes, bool]:
 
 def _run_python(code: str, sandboxed: bool) -> str:
     limits = [str(PYTHON_CPU_SECONDS), str(PYTHON_MEMORY_BYTES), str(PYTHON_OUTPUT_BYTES)]
-    program = ["-c", _BOOTSTRAP, *limits, code]
+    program = ["-c", sandbox.keyring_boot(lock=sandboxed) + _BOOTSTRAP, *limits, code]
     if "\0" in code:
         raise ToolFailed("could not run the code (ValueError: a NUL byte)")
     oom_killed = False
     try:
         if sandboxed:  # stdlib only (-S)
-            call = sandbox.Limits(PYTHON_WALL_SECONDS, PYTHON_MEMORY_BYTES, PYTHON_PROCESSES)
+            call = sandbox.Limits(PYTHON_WALL_SECONDS, PYTHON_MEMORY_BYTES, PYTHON_PROCESSES, PYTHON_CPUS)
             finished = sandbox.run([sandbox.interpreter(), "-I", "-S", *program], call, PYTHON_OUTPUT_BYTES)
             exit_code, oom_killed = finished.exit_code, finished.oom_killed
             output, full = finished.output, finished.output_cut

@@ -51,7 +51,8 @@ SPARE_HOST_IDS = range(61000, 62000)  # where the trainer is root: the code's ho
 CGROUP_FS = Path("/sys/fs/cgroup")
 INSIDE_PATH = "/usr/local/bin:/usr/bin:/bin"
 INSIDE_ENV = {"PATH": INSIDE_PATH, "HOME": "/scratch", "TMPDIR": "/tmp", "LANG": "C.UTF-8"}
-MASKED_PROC = ("/proc/keys", "/proc/key-users", "/proc/kcore", "/proc/sysrq-trigger", "/proc/timer_list")
+MASKED_PROC = ("/proc/keys", "/proc/key-users", "/proc/kcore", "/proc/sysrq-trigger", "/proc/timer_list",
+               "/proc/locks")  # the host's file locks, with their files' inode numbers
 
 
 @dataclass(frozen=True)
@@ -246,27 +247,48 @@ def _lease_dir() -> Path:
     return LEASE_DIR
 
 
+def _try_lease(folder: Path, uid: int) -> UidLease | None:
+    """The lease of `uid` if no one holds it and nothing of it is left running (its leftovers killed first)."""
+    fd = os.open(folder / str(uid), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    # "1": its last holder died holding it, or could not kill all of it: its leftovers go first
+    if os.pread(fd, 1, 0) == b"1" and not _kill_uid(uid, LEASE_KILL_WAIT_S):
+        os.close(fd)
+        return None
+    os.pwrite(fd, b"1", 0)
+    return UidLease(uid, fd)
+
+
+@functools.cache
+def _recover_leases() -> None:
+    """Once per process, before its first lease: the uids that trainers which died left marked in use (and free
+    now) have their leftover processes killed and are marked clean, whichever uid this process draws later."""
+    folder = _lease_dir()
+    for file in folder.iterdir():
+        if file.name.isdigit() and file.read_bytes()[:1] == b"1" and (lease := _try_lease(folder, int(file.name))):
+            lease.give_back()
+
+
 def lease_uid() -> UidLease | None:
     """A spare uid no other call on this host runs as (None where the trainer is not root: a user namespace maps
-    the code to the trainer's uid). The lowest free one, so a run's calls made one at a time use the same uid.
-    OSError when every spare uid is taken, or leases cannot be kept here."""
+    the code to the trainer's uid). Drawn at random among the free ones: the lowest free one would tell a call
+    how many calls run beside it, which a policy could use to signal from one call to another. OSError when
+    every spare uid is taken, or leases cannot be kept here."""
     spare = spare_ids()
     if spare is None:
         return None
     folder = _lease_dir()
-    for uid in spare:
-        fd = os.open(folder / str(uid), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            continue
-        # "1": its last holder died holding it, or could not kill all of it: its leftovers go first
-        if os.pread(fd, 1, 0) == b"1" and not _kill_uid(uid, LEASE_KILL_WAIT_S):
-            os.close(fd)
-            continue
-        os.pwrite(fd, b"1", 0)
-        return UidLease(uid, fd)
+    _recover_leases()
+    import secrets
+
+    start = secrets.randbelow(len(spare))
+    for uid in spare[start:] + spare[:start]:
+        if (lease := _try_lease(folder, uid)) is not None:
+            return lease
     raise OSError(f"every spare uid ({len(spare)} in {SPARE_HOST_IDS.start}-{SPARE_HOST_IDS.stop - 1}) is held by "
                   "a call running now")
 

@@ -428,8 +428,8 @@ print(json.dumps(seen))
     assert uid in (sandbox.spare_ids() or (sandbox.SANDBOX_UID,)) and seen["ids"] == [uid] * 6, seen
     assert seen["groups"] == [], seen
     assert seen["caps"] == ["0000000000000000"] * 3, seen
-    assert all(seen[p] in ("PermissionError", "OSError") for p in ("/proc/sys/kernel/core_pattern",
-               "/proc/sys/vm/overcommit_ratio", "/proc/sys/kernel/hostname")), seen
+    assert all(seen[p] in ("PermissionError", "OSError", "FileNotFoundError") for p in (  # /proc/sys: hidden
+               "/proc/sys/kernel/core_pattern", "/proc/sys/vm/overcommit_ratio", "/proc/sys/kernel/hostname")), seen
     assert all(isinstance(seen[p], str) or seen[p] == 0 for p in ("/proc/kcore", "/proc/1/environ", "/proc/keys"))
 
 
@@ -943,3 +943,28 @@ def test_a_lease_left_by_a_killed_trainer_is_recovered_with_its_processes_killed
         assert (sandbox.LEASE_DIR / str(uid)).read_bytes()[:1] == (b"1" if lease.uid == uid else b"0")
     finally:
         lease.give_back()
+
+
+def test_host_wide_counters_another_call_moves_are_not_readable():
+    """The RLIMIT_NPROC channel's variants: the host's task count is in /proc/loadavg (its total), /proc/stat
+    (processes, procs_running) and sysinfo(2), open files in /proc/sys/fs/file-nr, free memory in /proc/meminfo;
+    a call that forks, opens or allocates moves them and another reads them at once. They are masked (sysinfo
+    refused, /proc/sys an empty folder), while the code's own /proc stays readable."""
+    code = SYSCALL_HELPER + """import os
+NR["sysinfo"] = {"x86_64": 99, "aarch64": 179}[os.uname().machine]
+seen = {"sysinfo": call("sysinfo", ctypes.addressof(ctypes.create_string_buffer(256))),
+        "own_status": open("/proc/self/status").read().startswith("Name:")}
+for path in ("/proc/loadavg", "/proc/stat", "/proc/meminfo", "/proc/vmstat", "/proc/uptime",
+             "/proc/sys/fs/file-nr", "/proc/sys/kernel/pty/nr", "/proc/pressure/cpu"):
+    try:
+        seen[path] = open(path).read()[:40]
+    except OSError as e:
+        seen[path] = type(e).__name__
+seen["sys"] = os.listdir("/proc/sys")
+print(json.dumps(seen))
+"""
+    text, ok = run(code)
+    assert ok, text
+    seen = json.loads(text)
+    assert seen.pop("sysinfo") == "EPERM" and seen.pop("own_status") is True and seen.pop("sys") == [], seen
+    assert all(v in ("", "PermissionError", "FileNotFoundError") for v in seen.values()), seen

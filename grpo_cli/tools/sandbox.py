@@ -12,7 +12,8 @@ call runs `bwrap` with:
 - a seccomp filter (seccomp.py): no keyrings but one new empty one, no new namespaces, no mounts, no host
   state the calls share (vsock, file locks, the page cache's residency, inotify, message queues), ...;
 - a root of its own: /usr read-only with /usr/local and every site-packages hidden, the interpreter's own files
-  bound back, a fresh /proc (/proc/sys read-only, keyrings and kernel memory masked) and /dev, a private /tmp,
+  bound back, a fresh /proc (/proc/sys hidden, keyrings, kernel memory and host-wide counters masked) and /dev,
+  a private /tmp,
   a private working directory /scratch (also its home); no /home, /root, /etc, project, run directory or host
   /tmp;
 - an environment of PATH, HOME and the locale. bwrap itself starts with an empty environment: it is the call's
@@ -52,7 +53,14 @@ CGROUP_FS = Path("/sys/fs/cgroup")
 INSIDE_PATH = "/usr/local/bin:/usr/bin:/bin"
 INSIDE_ENV = {"PATH": INSIDE_PATH, "HOME": "/scratch", "TMPDIR": "/tmp", "LANG": "C.UTF-8"}
 MASKED_PROC = ("/proc/keys", "/proc/key-users", "/proc/kcore", "/proc/sysrq-trigger", "/proc/timer_list",
-               "/proc/locks")  # the host's file locks, with their files' inode numbers
+               "/proc/locks",  # the host's file locks, with their files' inode numbers
+               # host-wide counters another call moves at will, so a channel between calls (issue 64): the tasks
+               # on the host (loadavg's total, stat's processes and procs_running), memory, paging and I/O
+               "/proc/loadavg", "/proc/stat", "/proc/meminfo", "/proc/vmstat", "/proc/zoneinfo", "/proc/buddyinfo",
+               "/proc/pagetypeinfo", "/proc/schedstat", "/proc/interrupts", "/proc/softirqs", "/proc/diskstats",
+               "/proc/swaps", "/proc/uptime", "/proc/pressure")
+HIDDEN_PROC_DIRS = ("/proc/sys",)  # an empty read-only folder: kernel settings (core_pattern, issue 53) and more
+# host-wide counters (fs/file-nr, fs/inode-nr, fs/aio-nr, kernel/pty/nr, kernel/random/entropy_avail)
 
 
 @dataclass(frozen=True)
@@ -316,10 +324,12 @@ def bwrap_argv(argv: list[str], seccomp_fd: int, lease: UidLease | None) -> list
     trainer's; None otherwise)."""
     env = [arg for k, v in INSIDE_ENV.items() for arg in ("--setenv", k, v)]
     user, before = _identity(lease)
-    masked = [arg for path in MASKED_PROC if os.path.exists(path) for arg in ("--ro-bind", "/dev/null", path)]
+    masked = [arg for path in MASKED_PROC if os.path.exists(path)
+              for arg in (("--perms", "0555", "--tmpfs", path) if os.path.isdir(path) else ("--ro-bind", "/dev/null", path))]
+    hidden = [arg for path in HIDDEN_PROC_DIRS for arg in ("--perms", "0555", "--tmpfs", path, "--remount-ro", path)]
     return [shutil.which("bwrap") or "bwrap", "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts",
             "--unshare-cgroup", *user, "--die-with-parent", "--new-session", "--hostname", "sandbox", *_binds(),
-            "--proc", "/proc", "--ro-bind", "/proc/sys", "/proc/sys", *masked, "--dev", "/dev",
+            "--proc", "/proc", *hidden, *masked, "--dev", "/dev",
             "--perms", "01777", "--tmpfs", "/tmp", "--perms", "0777", "--dir", "/scratch", "--chdir", "/scratch",
             "--clearenv", *env, "--seccomp", str(seccomp_fd), "--", *before, *argv]
 

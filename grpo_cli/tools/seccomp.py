@@ -17,8 +17,8 @@ a channel between calls that run at once or one after the other (issue 64):
   the host's; EAFNOSUPPORT), file locks (`flock`, fcntl's record, OFD and lease commands: a lock on a read-only
   bind is seen by every call and the host; ENOLCK), dnotify and inotify (a watch on /usr sees what another
   call reads), the page cache's residency (`fadvise64`, `readahead`, `mincore`, `cachestat`, RWF_NOWAIT reads
-  and writes; madvise's WILLNEED, COLD and PAGEOUT), POSIX message queues, and `F_SETPIPE_SZ` (pipe pages
-  count against the uid).
+  and writes; madvise's WILLNEED, COLD and PAGEOUT), POSIX message queues, `F_SETPIPE_SZ` (pipe pages
+  count against the uid), and `sysinfo` (the host's task count and free memory, which another call moves).
 
 Every refused call fails with an error number (EPERM unless said above); the process is not killed, so the code reads an
 ordinary OSError. The filter is compiled by libseccomp (loaded with ctypes; Debian's `libseccomp2`, which
@@ -48,6 +48,7 @@ REFUSED = (
     # (their bytes count against the uid), and advice to other processes' memory
     "fadvise64", "readahead", "mincore", "cachestat", "inotify_init", "inotify_init1", "fanotify_init",
     "mq_open", "mq_unlink", "mq_timedsend", "mq_timedreceive", "mq_notify", "mq_getsetattr", "process_madvise",
+    "sysinfo",  # the host's task count and free memory, which another call moves at will (its /proc files are masked)
 )
 KEYRING_CALLS = ("add_key", "keyctl", "request_key")
 KEYCTL_JOIN_SESSION_KEYRING = 1

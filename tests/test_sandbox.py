@@ -968,3 +968,15 @@ print(json.dumps(seen))
     seen = json.loads(text)
     assert seen.pop("sysinfo") == "EPERM" and seen.pop("own_status") is True and seen.pop("sys") == [], seen
     assert all(v in ("", "PermissionError", "FileNotFoundError") for v in seen.values()), seen
+
+
+def test_a_stray_cgroup_name_does_not_stop_calls():
+    """A folder named like a call's cgroup but not one (no pid in its name) beside the calls' cgroups made every
+    call fail while it looked for orphans to remove."""
+    _, parents = sandbox._cgroup_parents()
+    stray = next(iter(parents.values())) / "grpo-sandbox-stray-0"
+    stray.mkdir()
+    try:
+        assert run("print('still answers')") == ("still answers", True)
+    finally:
+        stray.rmdir()

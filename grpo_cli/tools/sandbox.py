@@ -58,7 +58,7 @@ MASKED_PROC = ("/proc/keys", "/proc/key-users", "/proc/kcore", "/proc/sysrq-trig
                # on the host (loadavg's total, stat's processes and procs_running), memory, paging and I/O
                "/proc/loadavg", "/proc/stat", "/proc/meminfo", "/proc/vmstat", "/proc/zoneinfo", "/proc/buddyinfo",
                "/proc/pagetypeinfo", "/proc/schedstat", "/proc/interrupts", "/proc/softirqs", "/proc/diskstats",
-               "/proc/swaps", "/proc/uptime", "/proc/pressure")
+               "/proc/swaps", "/proc/uptime", "/proc/pressure", "/proc/cgroups", "/proc/sched_debug")
 HIDDEN_PROC_DIRS = ("/proc/sys",)  # an empty read-only folder: kernel settings (core_pattern, issue 53) and more
 # host-wide counters (fs/file-nr, fs/inode-nr, fs/aio-nr, kernel/pty/nr, kernel/random/entropy_avail)
 
@@ -360,8 +360,8 @@ def _remove_orphans(parent: Path) -> None:
     """Empty call cgroups left by a process that died mid-call (a tool worker killed on its timeout): their
     names carry the creator's pid."""
     for d in parent.glob("grpo-sandbox-*"):
-        pid = int(d.name.split("-")[2])
-        if pid != os.getpid() and not Path(f"/proc/{pid}").exists():
+        pid = d.name.split("-")[2]
+        if pid.isdigit() and int(pid) != os.getpid() and not Path(f"/proc/{pid}").exists():  # not ours: left
             try:
                 d.rmdir()
             except OSError:

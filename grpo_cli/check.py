@@ -1,7 +1,9 @@
-"""`grpo check recipe=X [overrides]`: the batch arithmetic of a config and the settings that do nothing.
+"""`grpo check recipe=X [overrides]`: the run's own pre-run check, then the batch arithmetic of a config and the
+settings that do nothing.
 
-Loads no model and imports no torch: the numbers come from the config and the model's
-config.json, so it answers in about a second, before a run is started.
+It runs `grpo train`'s pre-run check (preflight.py: data, rewards, tools, model files, templates, prompt
+lengths), which reads tokenizers and model configs but never weights; the numbers come from the config and the
+model's config.json. What needs the hub (a hub model or dataset) is reported as not checked.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any
 
 from grpo_cli.checkpoint import resolve_model_path
 from grpo_cli.config import SamplerConfig, TrainConfig
+from grpo_cli.data import hub_sources
 from grpo_cli.dist.ranks import gpu_roles, split_roles
 from grpo_cli.engines.options import (
     ENGINE_WORKSPACE_GIB,
@@ -148,10 +151,14 @@ def tool_lines(cfg: TrainConfig) -> list[str]:
     syntax = []
     if r.tool_format == "chat":
         try:
-            template = template_source(resolve_model_path(cfg.model.name_or_path))
-        except FileNotFoundError:  # a hub model not downloaded yet: the run checks it when it loads the tokenizer
-            syntax = ["tool calls: the chat template is read when the run loads the tokenizer (no local copy)"]
+            where = resolve_model_path(cfg.model.name_or_path)
+        except FileNotFoundError:  # the pre-run check names the missing model
+            where = None
+        if where is None or not Path(where).is_dir():  # a hub id: its files are fetched when the run starts
+            syntax = [f"tool calls: not checked: hub id {cfg.model.name_or_path} (the chat template is read when the "
+                      "run loads the tokenizer)"]
         else:
+            template = template_source(where)
             chosen = call_syntax(template, r.tool_call_syntax)
             how = "read off the chat template" if r.tool_call_syntax == "auto" else "rollout.tool_call_syntax"
             syntax = [f"tool calls: {chosen} syntax ({how}), {CALL_FORMS[chosen]}; every call of a turn, run in order"]
@@ -469,9 +476,36 @@ def teacher_line(cfg: TrainConfig, world_size: int) -> str:
             f"{cfg.model.dtype} (frozen, on the trainer's device through the run)")
 
 
+def not_checked(cfg: TrainConfig) -> list[str]:
+    """What `grpo check` leaves to the run on this machine: a hub model's files, a CUDA device."""
+    lines = [f"not checked: hub dataset {source} (its rows, columns and prompt lengths are read when the run "
+             "fetches it)" for source in hub_sources(cfg.data)]
+    if not Path(resolve_model_path(cfg.model.name_or_path)).is_dir():
+        lines.append(f"not checked: hub id {cfg.model.name_or_path} (its config, tokenizer, prompt lengths and chat "
+                     "template are read when the run fetches it)")
+    if cfg.trainer.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            lines.append(f"not checked: trainer.device={cfg.trainer.device} (no CUDA device here)")
+    return lines
+
+
 def run_check(cfg: TrainConfig, run_dir: Any) -> int:
+    """`grpo check`: the run's own pre-run check (preflight.preflight: data, rewards, tools, model files, templates,
+    prompt lengths; no weights loaded), then the batch, memory and settings it would run with."""
+    import time
+
+    from grpo_cli.preflight import preflight  # not at the top: `grpo check` imports torch only when it runs
+
+    started = time.perf_counter()
+    preflight(cfg, checking=True)  # a mistake: UsageError, one line and exit 2, as `grpo train` says it
+    checked_s = time.perf_counter() - started
     world_size = max(cfg.dist.world_size, int(os.environ.get("WORLD_SIZE", "1")))  # dist.* or plain torchrun
     print(f"grpo check: {cfg.task} | model {cfg.model.name_or_path} | {cfg.trainer.steps} steps")
+    print(f"  the run's pre-run check passed in {checked_s:.1f} s (data, rewards, tools, model files, prompt lengths)")
+    for line in not_checked(cfg):
+        print(f"  warning: {line}")
     shape = model_shape(cfg.model.name_or_path)
     split = cfg.rollout.placement == "split"
     trainers = cfg.trainer_ranks if split else world_size

@@ -21,7 +21,9 @@ import logging
 import os
 import secrets
 import sys
+import tempfile
 import time
+import types
 import typing
 from collections.abc import Callable
 from pathlib import Path
@@ -69,6 +71,8 @@ _RUN_NAME = f"{time.strftime('%Y-%m-%d_%H-%M-%S')}_{os.getpid()}-{secrets.token_
 # A job's resume decision, shared by rank 0 with the other ranks: (the directory it continues, or None for a new
 # run,). Unset in one process and on rank 0, which look on their own disk.
 _SHARED_RESUME: tuple[str | None] | None = None
+# where a sweep (-m) of a command that makes no run directory puts Hydra's files, removed when it ends
+_SWEEP_SCRATCH = Path(tempfile.gettempdir()) / f"grpo-sweep-{_RUN_NAME}"
 
 
 def _resumed_dir(output_dir: str, task: str, resume: str | None) -> Path | None:
@@ -116,12 +120,37 @@ def recipe_dirs() -> list[Path]:
     return [d for d in dirs if d.is_dir()]
 
 
+_RECIPE_FILES: dict[str, Path] = {}  # recipes named by path on this command line (recipe=./mine.yaml), by stem
+_BROKEN_RECIPES: dict[str, str] = {}  # recipe name -> why it cannot be read: only a command naming it fails
+
+
 def available_recipes() -> dict[str, Path]:
-    found: dict[str, Path] = {}
+    found: dict[str, Path] = dict(_RECIPE_FILES)
     for d in recipe_dirs():
         for path in sorted(d.glob("*.yaml")):
             found.setdefault(path.stem, path)
     return found
+
+
+def _is_recipe_path(value: str) -> bool:
+    return "/" in value or value.endswith((".yaml", ".yml"))
+
+
+def _recipe_paths_to_names(rest: list[str]) -> list[str]:
+    """`recipe=PATH.yaml` (relative to the working directory, or absolute) -> `recipe=STEM`, the file registered
+    under its stem ahead of every recipe folder; other arguments as they are. A file that does not exist: one
+    line. (Hydra's grammar has no paths in a config group's value.)"""
+    out = []
+    for arg in rest:
+        key, _, value = arg.partition("=")
+        if key.lstrip("+~") == "recipe" and value and "," not in value and _is_recipe_path(value):
+            path = Path(value).expanduser().resolve()
+            if not path.is_file():
+                raise UsageError(f"recipe file '{value}' not found (from {Path.cwd()})")
+            _RECIPE_FILES[path.name.rsplit(".", 1)[0]] = path
+            arg = f"{key}={path.name.rsplit('.', 1)[0]}"
+        out.append(arg)
+    return out
 
 
 # ---------------------------------------------------------------------------
@@ -131,6 +160,20 @@ def available_recipes() -> dict[str, Path]:
 def _fail(command: str, message: str, code: int = 2) -> NoReturn:
     print(f"grpo {command}: error: {message}", file=sys.stderr)
     sys.exit(code)
+
+
+def _item_schemas(schema: type) -> list[type]:
+    """The dataclasses of list items anywhere in a config schema (RewardSpec, ToolSpec, ...)."""
+    found: list[type] = []
+    for f in dataclasses.fields(schema):
+        kind = typing.get_type_hints(schema)[f.name]
+        args = typing.get_args(kind) if typing.get_origin(kind) is list else ()
+        if args and dataclasses.is_dataclass(args[0]):
+            found.append(args[0])
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        if dataclasses.is_dataclass(default):
+            found += _item_schemas(type(default))
+    return found
 
 
 def _schema_keys(schema: type, prefix: str = "") -> list[str]:
@@ -148,6 +191,94 @@ def _schema_keys(schema: type, prefix: str = "") -> list[str]:
 def _did_you_mean(word: str, choices: list[str]) -> str:
     close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
     return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+# The names TRL's GRPOTrainer and verl use for our keys (docs/from_trl_and_verl.md): a newcomer's key that is one
+# of these is pointed at ours. Matched on the whole key, then on its last part.
+PEER_NAMES: dict[str, tuple[str, str]] = {
+    "num_generations": ("rollout.group_size", "TRL's num_generations"),
+    "rollout.n": ("rollout.group_size", "verl's actor_rollout_ref.rollout.n"),
+    "n": ("rollout.group_size", "verl's rollout.n"),
+    "beta": ("trainer.kl_coef", "TRL's beta"),
+    "kl_loss_coef": ("trainer.kl_coef", "verl's kl_loss_coef"),
+    "epsilon": ("trainer.clip_eps", "TRL's epsilon"),
+    "epsilon_high": ("trainer.clip_eps_high", "TRL's epsilon_high"),
+    "clip_ratio": ("trainer.clip_eps", "verl's clip_ratio"),
+    "clip_ratio_low": ("trainer.clip_eps", "verl's clip_ratio_low"),
+    "clip_ratio_high": ("trainer.clip_eps_high", "verl's clip_ratio_high"),
+    "max_completion_length": ("rollout.max_new_tokens", "TRL's max_completion_length"),
+    "response_length": ("rollout.max_new_tokens", "verl's rollout.response_length"),
+    "max_response_length": ("rollout.max_new_tokens", "verl's data.max_response_length"),
+    "learning_rate": ("trainer.lr", "TRL's learning_rate"),
+    "num_iterations": ("trainer.ppo_epochs", "TRL's num_iterations"),
+    "max_steps": ("trainer.steps", "TRL's max_steps"),
+    "total_training_steps": ("trainer.steps", "verl's trainer.total_training_steps"),
+    "loss_type": ("trainer.loss", "TRL's loss_type"),
+    "loss_agg_mode": ("trainer.loss", "verl's loss_agg_mode"),
+    "scale_rewards": ("trainer.advantage", "TRL's scale_rewards: group_std or group_mean"),
+    "train_batch_size": ("rollout.prompts_per_step", "verl's data.train_batch_size"),
+    "reward_funcs": ("rewards", "TRL's reward_funcs"),
+    "reward_weights": ("rewards", "TRL's reward_weights: rewards[i].weight"),
+    "model_name_or_path": ("model.name_or_path", "TRL's model_name_or_path"),
+}
+
+
+def _suggest(key: str, keys: list[str]) -> str:
+    """' (did you mean ...?)' for an unknown dotted key: a peer trainer's name for one of ours, a key whose last
+    part is the same, or a close spelling; '' when none."""
+    leaf = key.rsplit(".", 1)[-1].split("]")[-1].lstrip(".")
+    close = difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
+    peer = PEER_NAMES.get(key) or (PEER_NAMES.get(leaf) if not close else None)
+    if peer is not None:
+        return f" (did you mean '{peer[0]}'? it is {peer[1]})"
+    same_leaf = [k for k in keys if k.rsplit(".", 1)[-1] == leaf]
+    if len(same_leaf) == 1 and same_leaf[0] != key:
+        return f" (did you mean '{same_leaf[0]}'?)"
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _field_type(schema: type, dotted: str) -> Any:
+    """The declared type of a dotted key in a config dataclass (None when there is no such key)."""
+    kind: Any = schema
+    for part in dotted.split("."):
+        if not dataclasses.is_dataclass(kind) or part not in (hints := typing.get_type_hints(kind)):
+            return None
+        kind = hints[part]
+        if typing.get_origin(kind) in (typing.Union, types.UnionType):
+            kind = next((a for a in typing.get_args(kind) if a is not type(None)), kind)
+    return kind
+
+
+def _recipe_item_error(path: Path, schema: type) -> str | None:
+    """The first unknown key in a list item of a recipe file (its rewards, its tools), with its index."""
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+
+    node = OmegaConf.load(path)  # read once already by _register: it parses
+    if not isinstance(node, DictConfig):
+        return None
+    for key in _schema_keys(schema):
+        value = OmegaConf.select(node, key, default=None, throw_on_missing=False)
+        if isinstance(value, (DictConfig, ListConfig)) and \
+                (bad := _list_item_error(key, OmegaConf.to_container(value), schema)):
+            return bad
+    return None
+
+
+def _list_item_error(key: str, value: Any, schema: type) -> str | None:
+    """A command line's `key=[{...}, ...]` for a list of dataclass items (rewards, rollout.tools): the first item
+    key its dataclass does not declare, as one line with its full path and a did-you-mean from that item's own
+    fields; None when every item's keys are known."""
+    kind = _field_type(schema, key)
+    item = (typing.get_args(kind) or [None])[0] if typing.get_origin(kind) is list else None
+    if not (dataclasses.is_dataclass(item) and isinstance(value, list)):
+        return None
+    fields = [f.name for f in dataclasses.fields(item)]
+    for i, entry in enumerate(value):
+        for name in entry if isinstance(entry, dict) else ():
+            if name not in fields:
+                return (f"unknown key '{key}[{i}].{name}'{_did_you_mean(name, fields)}; "
+                        f"an item of {key} takes: {', '.join(fields)}")
+    return None
 
 
 def _config_error_line(exc: BaseException, schema: type) -> str:
@@ -176,7 +307,13 @@ def _config_error_line(exc: BaseException, schema: type) -> str:
         if isinstance(e, (ConfigKeyError, ConfigAttributeError)):
             name = msg.split("'")[1] if msg.count("'") >= 2 else key
             full = key if key.endswith(name) else (f"{key}.{name}" if key else name)
-            return f"unknown key '{full}'{_did_you_mean(full, _schema_keys(schema))}; see `grpo train --cfg job` for valid keys"
+            item = msg.split("'")[3] if msg.count("'") >= 4 else ""  # "Key 'x' not in 'RewardSpec'": a list item's
+            kinds = {t.__name__: t for t in _item_schemas(schema)}
+            if item in kinds and full == name:
+                fields = [f.name for f in dataclasses.fields(kinds[item])]
+                return (f"unknown key '{name}' in a {item} item{_did_you_mean(name, fields)}; it takes: "
+                        f"{', '.join(fields)}")
+            return f"unknown key '{full}'{_suggest(full, _schema_keys(schema))}; see `grpo train --cfg job` for valid keys"
         if isinstance(e, MissingMandatoryValue):
             return f"'{key}' has no value; set it in the recipe or on the command line ({key}=...)"
         if isinstance(e, ValidationError):
@@ -211,7 +348,10 @@ def _register(command: str, recipe_required: bool = True, rest: list[str] | None
     cs = ConfigStore.instance()
     spec, schema = COMMANDS[command], COMMAND_SCHEMAS[command]
     for name, path in (available_recipes() if spec.needs_recipe or spec.recipe_from else {}).items():
-        cs.store(group="recipe", name=name, node=_recipe_node(path, schema), package="_global_")
+        try:  # a malformed recipe fails only the command that names it
+            cs.store(group="recipe", name=name, node=_recipe_node(path, schema), package="_global_")
+        except UsageError as e:
+            _BROKEN_RECIPES[name] = str(e)
     run_config = _recipe_from(command, rest or [], strict=False)
     if run_config is not None:
         node = _recipe_node(run_config, schema)
@@ -232,9 +372,11 @@ def _register(command: str, recipe_required: bool = True, rest: list[str] | None
         hydra_settings["output_subdir"] = "${grpo_hydra_subdir:${output_dir},${task},${resume}}" if rank() == 0 else None
         hydra_settings["sweep"] = {"dir": f"${{output_dir}}/${{task}}/sweep_{_RUN_NAME}", "subdir": "${hydra.job.num}"}
     else:
-        # Commands that write no run directory: no log file, no .hydra folder, output in place.
+        # Commands that write no run directory: no log file, no .hydra folder, output in place; a sweep's
+        # folders (Hydra writes multirun.yaml and one folder per job) go to a scratch folder removed at the end.
         hydra_settings["run"] = {"dir": "."}
         hydra_settings["output_subdir"] = None
+        hydra_settings["sweep"] = {"dir": str(_SWEEP_SCRATCH), "subdir": "${hydra.job.num}"}
         defaults += [{"override hydra/job_logging": "none"}, {"override hydra/hydra_logging": "none"}]
     cs.store(name=command, node={"defaults": defaults, "hydra": hydra_settings})
 
@@ -296,10 +438,13 @@ def _recipe_from(command: str, rest: list[str], strict: bool) -> Path | None:
 def _hydra_args(rest: list[str]) -> Any:
     from hydra._internal.utils import get_args_parser
 
-    try:
-        return get_args_parser().parse_args(rest)
-    except SystemExit:
-        raise UsageError(f"could not parse arguments: {' '.join(rest)}") from None
+    parser = get_args_parser()
+
+    def refuse(message: str) -> NoReturn:  # argparse would print its usage block and exit
+        raise UsageError(" ".join(message.split()))
+
+    parser.error = refuse  # type: ignore[method-assign]
+    return parser.parse_args(rest)
 
 
 def _preflight(command: str, rest: list[str]) -> Any:
@@ -317,8 +462,14 @@ def _preflight(command: str, rest: list[str]) -> Any:
         raise UsageError(" ".join(str(e).split())) from None
     overrides = []
     chosen_recipes = []
+    schema = COMMAND_SCHEMAS[command]
     for o in parsed:
         key = o.get_key_element()
+        if o.is_sweep_override() and not args.multirun:
+            raise UsageError(f"'{o.input_line}': a comma-separated value is a sweep: add -m to run one job per value, "
+                             f"or write {o.key_or_group}=[a,b] for a list, or quote it for text")
+        if not o.is_sweep_override() and (bad := _list_item_error(o.key_or_group, o.value(), schema)):
+            raise UsageError(bad)
         if o.is_sweep_override():
             values = list(o.sweep_string_iterator())
             value = values[0]
@@ -336,8 +487,13 @@ def _preflight(command: str, rest: list[str]) -> Any:
     if not chosen_recipes and COMMANDS[command].needs_recipe:
         raise UsageError(f"no recipe given; pick one with recipe=NAME, available: {names}")
     for r in chosen_recipes:
+        if r in _BROKEN_RECIPES:
+            raise UsageError(f"recipe '{r}': {_BROKEN_RECIPES[r]}")
         if r not in recipes:
-            raise UsageError(f"unknown recipe '{r}'{_did_you_mean(r, list(recipes))}; available: {names}")
+            where = f"; a recipe file is named by its path (recipe=./{r}.yaml) or found in ${RECIPE_PATH_ENV}"
+            raise UsageError(f"unknown recipe '{r}'{_did_you_mean(r, list(recipes))}; available: {names}{where}")
+        if (bad := _recipe_item_error(recipes[r], COMMAND_SCHEMAS[command])) is not None:
+            raise UsageError(f"recipe '{r}': {bad}")
     return _compose_and_validate(command, overrides, args.config_dir)
 
 
@@ -386,7 +542,7 @@ def validate(cfg: Any, schema: type) -> Any:
     # Hydra's `+key=value` opens the struct flag, so a typed node can still gain a key.
     extra = _unknown_key(cfg, schema, "")
     if extra:
-        raise UsageError(f"unknown key '{extra}'{_did_you_mean(extra, _schema_keys(schema))}; "
+        raise UsageError(f"unknown key '{extra}'{_suggest(extra, _schema_keys(schema))}; "
                          "see `grpo train --cfg job` for valid keys")
     try:
         config = OmegaConf.to_object(cfg)
@@ -429,6 +585,27 @@ def _peer_failed(exc: BaseException) -> bool:
     return "closed by peer" in text or "reset by peer" in text
 
 
+def _holds_only_setup_files(run_dir: Path) -> bool:
+    """Whether a run directory holds only what Hydra and the start wrote (its config, .hydra, logs): nothing of a
+    run (metrics, checkpoints, samples) that a refusal must not delete; a resumed run's holds its metrics."""
+    return run_dir.is_dir() and all(p.name in ("config.yaml", ".hydra") or p.suffix == ".log" for p in run_dir.iterdir())
+
+
+def _remove_empty_task_dir(run_dir: Path) -> None:
+    """runs/TASK/ when the refused run's folder was all it held (output_dir itself stays: it may be the user's)."""
+    try:
+        run_dir.parent.rmdir()
+    except OSError:
+        pass
+
+
+def _log_to_file_only(message: str) -> None:
+    """A line for the run's log file, not the terminal (the terminal gets the one stderr line)."""
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.emit(logging.LogRecord("grpo_cli", logging.ERROR, __file__, 0, message, None, None))
+
+
 def _make_app(command: str) -> Callable[[], Any]:
     import hydra
 
@@ -458,8 +635,17 @@ def _make_app(command: str) -> Callable[[], Any]:
 
             runner = getattr(importlib.import_module(module_name), func_name)
             code = runner(config, run_dir)
-        except UsageError as e:
-            log.error("%s", e) if run_dir else None
+        except UsageError as e:  # the pre-run check's refusal: one line, and no run directory left behind
+            if run_dir is not None and rank() == 0 and _holds_only_setup_files(run_dir):
+                import shutil
+
+                for handler in [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]:
+                    handler.close()  # the run's log file is closed before its folder goes
+                    logging.getLogger().removeHandler(handler)
+                shutil.rmtree(run_dir, ignore_errors=True)
+                _remove_empty_task_dir(run_dir)
+            elif run_dir is not None:
+                _log_to_file_only(f"grpo {command}: error: {who}{e}")
             _fail(command, who + str(e))
         except RunFailure as e:  # explained in one line; the traceback goes to the run's log
             log.exception("grpo %s stopped", command)
@@ -549,6 +735,10 @@ def _run_hydra(command: str, rest: list[str], recipe_required: bool = True) -> i
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         _fail(command, " ".join(str(e).split()))
+    finally:
+        import shutil
+
+        shutil.rmtree(_SWEEP_SCRATCH, ignore_errors=True)  # `grpo check -m`: nothing left behind
     return 0
 
 
@@ -566,7 +756,11 @@ def main(argv: list[str] | None = None) -> int:
     if command not in COMMANDS:
         _fail(command, f"unknown command{_did_you_mean(command, list(COMMANDS))}; choose one of: {', '.join(COMMANDS)}")
     started = time.time()
+    launched_rest = rest  # a multi-process job's workers get the command line as typed, recipe paths included
+    _RECIPE_FILES.clear()  # this command line's (main runs more than once in one process: tests, notebooks)
+    _BROKEN_RECIPES.clear()
     try:
+        rest = _recipe_paths_to_names(rest)
         _register(command, rest=rest)
         config = _preflight(command, rest)
     except UsageError as e:
@@ -580,7 +774,7 @@ def main(argv: list[str] | None = None) -> int:
             _fail(command, "a sweep (-m) runs its jobs in this process one by one; run each multi-process "
                   "job on its own, without -m")
         if not args.cfg:  # --cfg job prints the config, as for one process
-            return launch.launch(config.dist, rest)  # the workers come back here, under the launcher
+            return launch.launch(config.dist, launched_rest)  # the workers come back here, under the launcher
     if launch.under_launcher() and int(os.environ["WORLD_SIZE"]) > 1:
         if command != "train":
             _fail(command, f"WORLD_SIZE={os.environ['WORLD_SIZE']}: 'grpo {command}' runs in one process; "

@@ -169,6 +169,11 @@ def split_rows(rows: list[dict], heldout: list[dict] | None, data: Any) -> tuple
     return train, heldout
 
 
+def hub_sources(data: Any) -> list[str]:
+    """The recipe's data sources on the hub (`grpo check` leaves them to the run: no hub is needed to check)."""
+    return [s for s in (data.source, data.heldout_source) if s and s.startswith("hub:")]
+
+
 def load_splits(data: Any) -> tuple[list[dict], list[dict]]:
     """DataConfig -> (train rows, held-out rows); every check happens here, before any model loads."""
     if data.source.startswith("builtin:"):

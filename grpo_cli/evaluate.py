@@ -50,12 +50,12 @@ from grpo_cli.engines.vllm import VLLMEngine
 from grpo_cli.errors import UsageError
 from grpo_cli.heldout import HeldoutSet, add_greedy_metrics, heldout_metrics
 from grpo_cli.lora import merged_checkpoint_tensors
+from grpo_cli.preflight import check_tool_run
 from grpo_cli.prompts import render_row
 from grpo_cli.rewards import WeightedReward, load_rewards, validate_columns
 from grpo_cli.rewards.load import close_reward_models
 from grpo_cli.rollout import sample_seeds
 from grpo_cli.runtime import cpu_threads, quiet_third_party, set_threads
-from grpo_cli.setup import check_tool_run
 from grpo_cli.tools import load_tools
 from grpo_cli.tools.load import close_tools, tool_schemas
 

@@ -1,7 +1,6 @@
 """Everything before a run's first step: fail at the edge, then torch, the resume point, the run state.
 
-`preflight` checks the data, the reward functions, the model files and the prompt lengths
-before any model is loaded, so a bad recipe fails in seconds with one line. `resume_or_start`
+The pre-run check (preflight.py) has passed by then. `resume_or_start`
 finds where the run starts (a resumed run's newest complete checkpoint, refused if its config
 differs), and `start_run` builds the `RunState` every stage of a step reads: the policy, the
 frozen reference, the rollout engine (`build_engine`), the optimizer and its schedule, the prompt
@@ -19,13 +18,11 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from grpo_cli import data, passes, rewards
 from grpo_cli.checkpoint import (
     FORMAT_VERSION,
     checkpoint_weights,
     damaged_weights,
     load_policy,
-    load_tokenizer,
     load_trainer_state,
     read_info,
     restore_trainer_state,
@@ -36,166 +33,27 @@ from grpo_cli.dist.channel import current
 from grpo_cli.dist.shard import shard_model
 from grpo_cli.engines.base import Engine
 from grpo_cli.engines.hf import HFEngine
-from grpo_cli.engines.options import max_model_len, sleep_wanted, vllm_lora_rank
+from grpo_cli.engines.options import max_model_len, sleep_wanted
 from grpo_cli.engines.remote import RemoteEngine
 from grpo_cli.engines.sharded import ShardedEngine
 from grpo_cli.engines.tools import with_tools
 from grpo_cli.engines.vllm import VLLMEngine
 from grpo_cli.errors import UsageError
 from grpo_cli.heldout import HeldoutSet
-from grpo_cli.lora import check_targets, with_adapters
-from grpo_cli.model_files import checked_model_path
+from grpo_cli.lora import with_adapters
 from grpo_cli.optim import build_optimizer
 from grpo_cli.pool import PromptPool, column_values
-from grpo_cli.prompts import render_row
-from grpo_cli.rewards.load import TOOL_RUN_ONLY, place_reward_models
+from grpo_cli.rewards.load import place_reward_models
 from grpo_cli.runs import step_checkpoints
 from grpo_cli.runtime import cpu_threads, set_threads
 from grpo_cli.served import served_model
 from grpo_cli.state import RunState, Start, Task
 from grpo_cli.sync import push
 from grpo_cli.teacher import START_HINT, ServedTeacher, start_server
-from grpo_cli.tools import load_tools
-from grpo_cli.tools.chat import ChatFormat
-from grpo_cli.tools.environment import check_rows
-from grpo_cli.tools.load import environment_of
 
 if TYPE_CHECKING:
     import torch
 
-
-
-def preflight(cfg: TrainConfig) -> Task:
-    """Validate everything a run reads before any model loads; raises UsageError naming the key, file or row."""
-    if cfg.model.dtype == "float16":
-        raise UsageError("model.dtype: float16 training needs loss scaling (a gradient scaler), which grpo_cli does "
-                         "not have; small fp16 gradients underflow to 0. Use bfloat16 (or float32)")
-    if cfg.trainer.device.startswith("cuda"):
-        import torch
-
-        if not torch.cuda.is_available():
-            raise UsageError(f"trainer.device={cfg.trainer.device}: no CUDA device here; use trainer.device=auto or cpu")
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if cfg.rollout.placement == "split":  # the trainer ranks share the prompts; the generator ranks only generate
-        world = cfg.trainer_ranks
-    if world % cfg.rollout.tensor_parallel_size:
-        raise UsageError(f"rollout.tensor_parallel_size: {cfg.rollout.tensor_parallel_size} does not divide the "
-                         f"{world} processes (WORLD_SIZE): each engine spans that many of them")
-    if world > 1 and cfg.rollout.prompts_per_step % world:  # plain torchrun: the config did not know the count
-        raise UsageError(f"rollout.prompts_per_step: {cfg.rollout.prompts_per_step} does not split over {world} "
-                         "processes (WORLD_SIZE); make it a multiple of the process count")
-    train_rows, heldout_rows = data.load_splits(cfg.data)
-    column_values(train_rows, cfg.data.sampler)  # data.sampler.column is a column of every train row
-    reward_fns = rewards.load_rewards(cfg.rewards)
-    rewards.validate_columns(train_rows, reward_fns)
-    rewards.validate_columns(heldout_rows, reward_fns)
-    model_path = checked_model_path("model.name_or_path", cfg.model.name_or_path)
-    from transformers import AutoConfig
-
-    model_config = AutoConfig.from_pretrained(model_path)
-    if reason := passes.shared_prompt_unsupported(model_config):
-        raise UsageError(f"model.name_or_path: {reason}")
-    if cfg.model.lora.enabled:
-        check_targets(cfg.model.lora, model_config)
-        if cfg.rollout.engine == "vllm":
-            vllm_lora_rank(cfg.model.lora.rank)  # raises above vLLM's largest
-
-    tools = load_tools(cfg.rollout.tools, cfg.rollout.tool_format, cfg.rollout.environment)
-    check_tool_run(tools, reward_fns, {"train": train_rows, "held-out": heldout_rows})
-    tokenizer = load_tokenizer(model_path)
-    teacher_path = check_teacher(cfg.distill.teacher, cfg.model.name_or_path, tokenizer) if cfg.distill.teacher else None
-    if cfg.distill.server not in (None, "start"):
-        served_model(cfg.distill.server, "distill.server", START_HINT)  # a server given by URL answers, before any model loads
-    task = Task(train_rows, heldout_rows, reward_fns, model_path, tokenizer, cfg.data, tools, teacher_path)
-    check_prompt_lengths(task, cfg)
-    if tools and cfg.rollout.tool_format == "chat":  # its tool role and its call syntax, before any model loads
-        ChatFormat.from_tokenizer(task.tokenizer, {t.schema["function"]["name"]: t.name for t in tools},
-                                  cfg.rollout.tool_call_syntax, cfg.rollout.max_tool_calls)
-    return task
-
-
-def check_teacher(teacher: str, student: str, tokenizer: Any) -> str:
-    """distill.teacher before any model loads: its files, a causal LM the passes can run, and the student's
-    tokenizer (the same vocabulary and special tokens, so a token id means the same token to both; across
-    tokenizers a per-token logprob compares nothing). Returns its directory (or hub id)."""
-    from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    path = checked_model_path("distill.teacher", teacher)
-    config = AutoConfig.from_pretrained(path)
-    architectures = config.architectures or []
-    causal = any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in architectures) if architectures \
-        else config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-    if not causal:
-        raise UsageError(f"distill.teacher: {teacher} is not a causal LM ({', '.join(architectures) or config.model_type}); "
-                         "a teacher scores each sampled token with its next-token logprob")
-    if reason := passes.shared_prompt_unsupported(config):
-        raise UsageError(f"distill.teacher: {reason}")
-    if differs := tokenizer_difference(tokenizer, load_tokenizer(path)):
-        raise UsageError(f"distill.teacher: its tokenizer differs from the student's ({differs}): student "
-                         f"{student}, teacher {teacher}; distillation across tokenizers is not supported")
-    return path
-
-
-def tokenizer_difference(student: Any, teacher: Any) -> str | None:
-    """What differs between two tokenizers that a per-token logprob depends on, or None: the vocabulary (token
-    strings and their ids) and the special tokens."""
-    mine, theirs = student.get_vocab(), teacher.get_vocab()
-    if mine != theirs:
-        by_id = [{i: token for token, i in vocab.items()} for vocab in (mine, theirs)]
-        first = min(i for i in set(by_id[0]) | set(by_id[1]) if by_id[0].get(i) != by_id[1].get(i))
-        return (f"vocabularies of {len(mine)} and {len(theirs)} tokens; token {first} is {by_id[0].get(first)!r} in the "
-                f"student's, {by_id[1].get(first)!r} in the teacher's")
-    for name in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id"):
-        if getattr(student, name) != getattr(teacher, name):
-            return f"{name} {getattr(student, name)} vs {getattr(teacher, name)}"
-    if set(student.all_special_ids) != set(teacher.all_special_ids):
-        return f"special token ids {sorted(student.all_special_ids)} vs {sorted(teacher.all_special_ids)}"
-    return None
-
-
-def check_tool_run(tools: list, reward_fns: list, splits: dict[str, list[dict[str, Any]]]) -> None:
-    """What the rewards receive from the trajectories: no column takes one of those names, a reward that needs
-    one has it (tools, an environment), the environment's columns are in every row, and the `environment`
-    reward has a reward() to return."""
-    import inspect
-
-    env = environment_of(tools)
-    given = {"tool_calls": bool(tools), "environment_state": env is not None,
-             "environment_reward": env is not None and env.has_reward}
-    for name, rows in splits.items():
-        columns = set().union(*rows) if rows else set()
-        if tools and (taken := sorted(columns & set(TOOL_RUN_ONLY))):
-            raise UsageError(f"data: a {name} column is named '{taken[0]}', which a tool run's rewards receive from "
-                             "the trajectories; rename the column")
-        check_rows(env, rows, name)
-    for i, r in enumerate(reward_fns):
-        try:
-            params = inspect.signature(r.fn).parameters.values()
-        except (TypeError, ValueError):
-            continue
-        needed = [p.name for p in params if p.name in given and not given[p.name] and p.default is p.empty]
-        if r.name == "environment" and not given["environment_reward"]:
-            needed = ["environment_reward"]
-        if needed:
-            has = ("no tools" if not tools else "no rollout.environment.cls" if env is None else
-                   f"{env.name} defines no reward()")
-            raise UsageError(f"rewards[{i}]: '{r.name}' needs {needed[0]}, which this run cannot give it ({has})")
-
-
-def check_prompt_lengths(task: Task, cfg: TrainConfig) -> None:
-    """Every prompt + rollout.max_new_tokens (a tool run's whole trajectory) must fit the model's context
-    (vLLM would refuse it mid-run)."""
-    context = max_model_len(task.model_path, cfg.model)
-    for name, rows in (("train", task.train_rows), ("held-out", task.heldout_rows)):
-        texts = [render_row(row, cfg.data, task.tokenizer, task.tool_schemas) for row in rows]
-        lengths = [len(ids) for ids in task.tokenizer(texts, add_special_tokens=False)["input_ids"]]
-        worst = max(range(len(rows)), key=lengths.__getitem__)
-        key = "rollout.max_trajectory_tokens" if cfg.rollout.multi_turn else "rollout.max_new_tokens"
-        if lengths[worst] + cfg.rollout.trajectory_tokens > context:
-            raise UsageError(f"{name} row {worst}: its prompt of {lengths[worst]} tokens + {key}="
-                             f"{cfg.rollout.trajectory_tokens} exceeds the model's context of {context} tokens; lower "
-                             f"{key}, set model.max_context_tokens, or drop long prompts")
 
 
 def setup_torch(cfg: TrainerConfig) -> None:

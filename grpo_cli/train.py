@@ -35,11 +35,12 @@ from grpo_cli.loggers import NullLogger, make_logger
 from grpo_cli.lora import summary
 from grpo_cli.metrics import rank_metrics, step_metrics
 from grpo_cli.plot import plot_runs
+from grpo_cli.preflight import preflight
 from grpo_cli.rewards.load import close_reward_models
 from grpo_cli.rollout import sample_seeds
 from grpo_cli.runs import prune_checkpoints
 from grpo_cli.runtime import quiet_third_party
-from grpo_cli.setup import preflight, setup_torch, start_run, teacher_engine
+from grpo_cli.setup import setup_torch, start_run, teacher_engine
 from grpo_cli.state import RunState, Start
 from grpo_cli.sync import can_stand_in, maybe_push_check, push_mode, push_to_engine, release_engine, standing_in
 from grpo_cli.teacher import ServedTeacher

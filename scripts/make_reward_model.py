@@ -173,8 +173,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from grpo_cli.cli import load_config
     from grpo_cli.engines.vllm import VLLMEngine
+    from grpo_cli.preflight import preflight
     from grpo_cli.rewards.model import render_plain
-    from grpo_cli.setup import preflight
 
     started = time.time()
     cfg = load_config("train", ["recipe=bike_pricing", "rollout.enforce_eager=true"])

@@ -13,7 +13,7 @@ import torch
 from grpo_cli.cli import load_config
 from grpo_cli.config import ConfigError, DistillConfig
 from grpo_cli.errors import UsageError
-from grpo_cli.setup import preflight
+from grpo_cli.preflight import preflight
 
 BIKE = ["recipe=bike_pricing"]
 
@@ -31,9 +31,9 @@ def test_distill_settings_are_checked_with_their_key():
 
 
 def test_a_teacher_is_refused_before_any_model_loads_with_one_line_naming_it(tmp_path):
-    """preflight checks distill.teacher (setup.check_teacher): its files, a causal LM, the student's tokenizer."""
+    """preflight checks distill.teacher (preflight.check_teacher): its files, a causal LM, the student's tokenizer."""
     from grpo_cli.checkpoint import load_tokenizer, resolve_model_path
-    from grpo_cli.setup import check_teacher
+    from grpo_cli.preflight import check_teacher
 
     with pytest.raises(UsageError, match=r"^distill.teacher: no built-in model 'bike_teacherx'"):
         preflight(load_config("train", [*BIKE, "distill.teacher=builtin:bike_teacherx"]))

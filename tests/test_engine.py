@@ -270,7 +270,7 @@ def test_a_teacher_that_fits_the_engine_is_evaluated_by_it_and_the_policy_is_pus
     from grpo_cli.checkpoint import load_policy
     from grpo_cli.cli import load_config
     from grpo_cli.heldout import HeldoutSet
-    from grpo_cli.setup import preflight
+    from grpo_cli.preflight import preflight
     from grpo_cli.train import heldout_eval, teacher_heldout
 
     path, _, _ = shipped

@@ -130,7 +130,7 @@ def test_world_of_one_is_the_cpu_and_every_collective_returns_its_input(monkeypa
 def test_a_batch_that_does_not_split_over_the_processes_is_refused_before_any_model_loads(monkeypatch):
     from grpo_cli.cli import load_config
     from grpo_cli.errors import UsageError
-    from grpo_cli.setup import preflight
+    from grpo_cli.preflight import preflight
 
     with pytest.raises(UsageError, match=r"rollout.prompts_per_step: 8 does not split over 3 processes"):
         load_config("train", ["recipe=bike_pricing", "dist.nproc_per_node=3"])

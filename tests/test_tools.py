@@ -371,8 +371,8 @@ def test_only_the_classs_own_methods_are_tools_and_its_bad_answers_cost_only_the
 
 def test_an_environments_columns_and_its_reward_are_checked_at_the_edge():
     from grpo_cli.config import RewardSpec
+    from grpo_cli.preflight import check_tool_run
     from grpo_cli.rewards import load_rewards
-    from grpo_cli.setup import check_tool_run
 
     ledger = load_tools([], "tags", environment("Ledger", timeout_s=None))
     assert [t.name for t in ledger] == ["subtotal", "hang"] and ledger[0].open == "<subtotal>"

@@ -56,9 +56,23 @@ def load_reward(name: str) -> RewardFn:
         raise UsageError(f"unknown reward '{name}'{hint}; built-in: {', '.join(BUILTIN_REWARDS)}, "
                            "or a custom one as package.module:function")
     fn = import_function(name, "reward")
+    if (first := _first_parameter(fn)) in ("prompts", "prompt"):  # TRL's reward_funcs signature
+        raise UsageError(f"reward '{name}' takes ({first}, completions, ...), as a TRL reward does; grpo calls "
+                         "f(completions, **columns) with the question as prompt=...: make completions the first "
+                         "parameter and read prompt from the keywords (docs/from_trl_and_verl.md)")
     if not _takes_var_kwargs(fn):
         raise UsageError(f"reward '{name}' must accept **kwargs: columns and answer_format arrive by name")
     return fn
+
+
+def _first_parameter(fn: RewardFn) -> str | None:
+    """The name of a function's first positional parameter (None when it has none or no signature)."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return params[0].name if params and params[0].kind in kinds else None
 
 
 def import_function(name: str, what: str) -> Any:

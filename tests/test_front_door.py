@@ -1,0 +1,159 @@
+"""The front door as a newcomer meets it (issue 65): every mistake before the first step is one line on stderr,
+exit 2, printed once, with the full key path and a did-you-mean from the right schema; recipes load by path; a
+broken recipe harms only the command that names it. Tier 2, in process: no model loads.
+"""
+
+from __future__ import annotations
+
+import pytest
+from conftest import REPO
+
+
+def one_line_error(out, command: str = "check") -> str:
+    """The single stderr line of a refused command (exit 2, no traceback, nothing on stdout), without its prefix."""
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    assert "Traceback" not in out.stderr + out.stdout and out.stdout.strip() == "", out.stdout
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1, out.stderr
+    assert lines[0].startswith(f"grpo {command}: error: ")
+    return lines[0][len(f"grpo {command}: error: "):]
+
+
+@pytest.mark.parametrize(("override", "expected"), [
+    ("rewards=[{name:correct,wieght:1}]", "unknown key 'rewards[0].wieght' (did you mean 'weight'?)"),
+    ("rewards=[{name:correct},{name:format,wieght:1}]", "unknown key 'rewards[1].wieght' (did you mean 'weight'?)"),
+    ("rollout.tools=[{function:calculator,timout_s:1}]", "unknown key 'rollout.tools[0].timout_s' (did you mean "
+                                                         "'timeout_s'?)"),
+])
+def test_a_typo_inside_a_list_item_names_its_path_and_the_items_fields(cli, override, expected):
+    """Before: `unknown key 'wieght'` with no path, and the tools typo suggested dist.timeout_s."""
+    line = one_line_error(cli("check", "recipe=bike_pricing", override))
+    assert line.startswith(expected), line
+    assert "dist.timeout_s" not in line
+
+
+@pytest.mark.parametrize(("override", "ours", "theirs"), [
+    ("num_generations=8", "rollout.group_size", "TRL's num_generations"),
+    ("rollout.n=8", "rollout.group_size", "verl's"),
+    ("beta=0.04", "trainer.kl_coef", "TRL's beta"),
+    ("epsilon=0.2", "trainer.clip_eps", "TRL's epsilon"),
+    ("max_completion_length=256", "rollout.max_new_tokens", "TRL's max_completion_length"),
+    ("learning_rate=1e-6", "trainer.lr", "TRL's learning_rate"),
+    ("clip_ratio=0.2", "trainer.clip_eps", "verl's clip_ratio"),
+])
+def test_a_peer_trainers_name_points_at_ours(cli, override, ours, theirs):
+    line = one_line_error(cli("check", "recipe=bike_pricing", override))
+    assert f"did you mean '{ours}'? it is {theirs}" in line, line
+
+
+def test_a_key_in_the_wrong_section_is_pointed_at_its_section(cli):
+    line = one_line_error(cli("check", "recipe=bike_pricing", "kl_coef=0.1"))
+    assert "did you mean 'trainer.kl_coef'?" in line, line
+
+
+@pytest.mark.parametrize("override", ["trainer.kl_coef=0,0.02", "recipe=bike_pricing,countdown"])
+def test_a_sweep_without_m_is_one_line_saying_add_m(cli, override):
+    """Before: Hydra's six-line 'Ambiguous value' message, exit 1."""
+    args = ["recipe=bike_pricing", override] if not override.startswith("recipe=") else [override]
+    line = one_line_error(cli("check", *args))
+    assert "a comma-separated value is a sweep: add -m" in line and override in line, line
+
+
+def test_a_bad_cfg_value_is_one_line_not_argparses_usage(cli):
+    line = one_line_error(cli("check", "recipe=bike_pricing", "--cfg", "jobb"))
+    assert "invalid choice: 'jobb'" in line and "'job'" in line, line
+
+
+def test_check_with_m_leaves_nothing_in_the_working_directory(cli, tmp_path):
+    out = cli("check", "-m", "recipe=bike_pricing", "trainer.kl_coef=0,0.02", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("grpo check: bike_pricing") == 2
+    assert list(tmp_path.iterdir()) == []
+
+
+MINE = "task: mine\nrewards:\n  - name: correct\nrollout:\n  group_size: 4\n"
+
+
+def test_a_recipe_loads_by_relative_or_absolute_path(cli, tmp_path):
+    """Before: 'unknown recipe' for recipe=./mine.yaml and recipe=/abs/mine.yaml."""
+    (tmp_path / "mine.yaml").write_text(MINE)
+    for recipe in ("./mine.yaml", "mine.yaml", str(tmp_path / "mine.yaml")):
+        out = cli("train", f"recipe={recipe}", "--cfg", "job", cwd=tmp_path)
+        assert out.returncode == 0, (recipe, out.stderr)
+        assert "task: mine" in out.stdout and "group_size: 4" in out.stdout
+    line = one_line_error(cli("check", "recipe=./missing.yaml", cwd=tmp_path))
+    assert line.startswith("recipe file './missing.yaml' not found"), line
+
+
+def test_an_unknown_recipe_name_says_how_a_file_is_named(cli):
+    line = one_line_error(cli("check", "recipe=mine"))
+    assert "recipe=./mine.yaml" in line and "$GRPO_RECIPE_PATH" in line, line
+
+
+def test_a_broken_recipe_on_the_path_harms_only_the_command_naming_it(cli, tmp_path):
+    """Before: one malformed YAML anywhere on $GRPO_RECIPE_PATH broke every command."""
+    (tmp_path / "broken.yaml").write_text("task: [oops\n")
+    (tmp_path / "mine.yaml").write_text(MINE)
+    env = {"GRPO_RECIPE_PATH": str(tmp_path)}
+    assert cli("check", "recipe=bike_pricing", env=env).returncode == 0
+    assert cli("train", "recipe=mine", "--cfg", "job", env=env).returncode == 0
+    line = one_line_error(cli("check", "recipe=broken", env=env))
+    assert line.startswith("recipe 'broken': cannot read") and "broken.yaml" in line, line
+
+
+def test_a_typo_in_a_recipe_files_list_item_names_its_index(cli, tmp_path):
+    (tmp_path / "typo.yaml").write_text("task: t\nrewards:\n  - name: correct\n  - name: format\n    wieght: 2\n")
+    line = one_line_error(cli("check", "recipe=typo.yaml", cwd=tmp_path))
+    assert line.startswith("recipe 'typo': unknown key 'rewards[1].wieght' (did you mean 'weight'?)"), line
+
+
+def test_every_shipped_recipe_has_a_run_folder_of_its_own():
+    """Two GPU recipes shared `task: bike_pricing`, so their runs landed beside the CPU recipe's, and resume=auto
+    could pick another recipe's run."""
+    from omegaconf import OmegaConf
+
+    tasks = {path.stem: OmegaConf.load(path).task for path in sorted((REPO / "recipes").glob("*.yaml"))}
+    assert len(set(tasks.values())) == len(tasks), tasks
+
+
+def test_a_hub_model_recipe_passes_check_without_the_hub(cli):
+    """`grpo check recipe=gsm8k_tools` exited 2 ('the tokenizer has no chat template'): a hub id was read as a
+    local folder. What needs the hub is reported as not checked."""
+    out = cli("check", "recipe=gsm8k_tools")
+    assert out.returncode == 0, out.stderr
+    assert "not checked: hub id Qwen/Qwen2.5-1.5B-Instruct" in out.stdout
+
+
+def test_a_trl_style_reward_is_refused_at_load_saying_what_grpo_calls(cli, tmp_path):
+    """Before: `f(prompts, completions, **kw)` loaded, then failed on every sample at call time."""
+    (tmp_path / "trl_rewards.py").write_text(
+        "def length(prompts, completions, **kwargs):\n    return [float(len(c)) for c in completions]\n")
+    line = one_line_error(cli("check", "recipe=bike_pricing", "rewards=[{name:trl_rewards:length}]", cwd=tmp_path))
+    assert "takes (prompts, completions, ...), as a TRL reward does" in line, line
+    assert "grpo calls f(completions, **columns)" in line, line
+
+
+REFUSED_BY_BOTH = [
+    ("data.source=/nonexistent/rows.jsonl", "data.source: file '/nonexistent/rows.jsonl' not found"),
+    ("model.name_or_path=/nonexistent/model", "model.name_or_path: model '/nonexistent/model' does not exist"),
+    ("rewards=[{name:nope}]", "unknown reward 'nope'"),
+    ("rollout.tools=[{function:nope_tool}]", "rollout.tools[0].function: unknown tool 'nope_tool'"),
+    ("data.template=chat", "data.template: chat, and builtin:bike_base's tokenizer has no chat template"),
+]
+
+
+@pytest.mark.parametrize(("override", "expected"), REFUSED_BY_BOTH)
+def test_check_refuses_what_train_refuses(cli, override, expected):
+    """`grpo check` exited 0 on each of these; it now runs the run's own pre-run check (preflight.preflight)."""
+    line = one_line_error(cli("check", "recipe=bike_pricing", override))
+    assert expected in line, line
+
+
+@pytest.mark.parametrize(("override", "expected"), REFUSED_BY_BOTH[1:])
+def test_train_refuses_at_the_pre_run_check_once_and_leaves_no_run_directory(cli, tmp_path, override, expected):
+    """Before: the line was printed twice (a log line on stdout too), each refusal left an empty
+    runs/TASK/TIME/, and data.template=chat on a model without a chat template was a 31-line traceback."""
+    line = one_line_error(cli("train", "recipe=bike_pricing", f"output_dir={tmp_path / 'runs'}", override),
+                          command="train")
+    assert expected in line, line
+    assert list(tmp_path.rglob("*")) in ([], [tmp_path / "runs"]), list(tmp_path.rglob("*"))

@@ -2,8 +2,9 @@
 
 `preflight` checks the data, the reward functions and tools, the model files and templates, the teacher, and
 the prompt lengths, so a bad recipe fails in seconds with one line (a UsageError naming the key, file or row).
-`grpo train` and `grpo eval` run it before building anything, and `grpo check` runs the same function, so the
-check refuses what the run refuses (issue 65); it loads tokenizers and model configs, never weights.
+`grpo train` runs it before building anything, and `grpo check` runs the same function, so the check refuses
+what the run refuses (issue 65); it loads tokenizers and model configs, never weights. (`grpo eval` reads a
+checkpoint's saved config and checks its held-out rows and tools with `check_tool_run`.)
 """
 
 from __future__ import annotations

@@ -443,10 +443,12 @@ class EvalConfig:
     every: int = 10  # held-out evaluation every N steps (and at the end); 0 = only at the end
     num_problems: int = 200  # held-out problems used (<= data.num_heldout)
     samples_per_problem: int = 1  # k samples per problem (pass@1 is the mean correctness)
-    temperature: float = 1.0  # sampling temperature for evaluation (the training temperature by default)
+    temperature: float | None = None  # sampling temperature for evaluation; None: rollout.temperature, the training one
     greedy: bool = False  # also measure greedy (temperature 0) accuracy: in grpo eval, and at every held-out evaluation of grpo train (eval/greedy_accuracy)
 
     def __post_init__(self) -> None:
+        _require(self.temperature is None or self.temperature >= 0, "eval.temperature",
+                 "must be >= 0, or null for rollout.temperature")
         _require(self.every >= 0, "eval.every", "must be >= 0 (0 = only at the end)")
         _require(self.num_problems >= 1, "eval.num_problems", "must be >= 1")
         _require(self.samples_per_problem >= 1, "eval.samples_per_problem", "must be >= 1")
@@ -524,6 +526,8 @@ class TrainConfig:
         return self.dist.world_size - (self.rollout.generator_ranks if split else 0)
 
     def __post_init__(self) -> None:
+        if self.eval.temperature is None:  # held-out samples drawn as the training samples are
+            self.eval.temperature = self.rollout.temperature
         if self.trainer.mismatch_correction == "auto":  # samples from older weights: reweigh the gap (docs/async.md)
             self.trainer.mismatch_correction = "tis" if self.rollout.max_staleness else "none"
         _require(len(self.rewards) > 0, "rewards", "no reward functions; add e.g. rewards=[{name:correct,weight:1.0}]")

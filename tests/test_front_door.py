@@ -157,3 +157,13 @@ def test_train_refuses_at_the_pre_run_check_once_and_leaves_no_run_directory(cli
                           command="train")
     assert expected in line, line
     assert list(tmp_path.rglob("*")) in ([], [tmp_path / "runs"]), list(tmp_path.rglob("*"))
+
+
+def test_eval_temperature_follows_the_training_temperature_unless_set():
+    """Its comment said it follows the training temperature by default; with rollout.temperature=0.7 it stayed 1.0."""
+    from grpo_cli.cli import load_config
+
+    assert load_config("train", ["recipe=bike_pricing", "rollout.temperature=0.7"]).eval.temperature == 0.7
+    assert load_config("train", ["recipe=bike_pricing", "rollout.temperature=0.7",
+                                 "eval.temperature=0.2"]).eval.temperature == 0.2
+    assert load_config("train", ["recipe=bike_pricing"]).eval.temperature == 1.0

@@ -429,8 +429,8 @@ class DistillConfig:
         _require(self.server is None or self.server == "start" or self.server.startswith(("http://", "https://")),
                  "distill.server", f"'{self.server}' is neither start nor an http(s) URL")
         _require(self.requests_in_flight >= 1, "distill.requests_in_flight", "must be >= 1")
-        _require(self.request_timeout_s > 0 and self.server_start_timeout_s > 0, "distill.request_timeout_s",
-                 "timeouts must be > 0 seconds")
+        _require(self.request_timeout_s > 0, "distill.request_timeout_s", "must be > 0 seconds")
+        _require(self.server_start_timeout_s > 0, "distill.server_start_timeout_s", "must be > 0 seconds")
 
     @property
     def loss_objective(self) -> str:

@@ -167,3 +167,16 @@ def test_eval_temperature_follows_the_training_temperature_unless_set():
     assert load_config("train", ["recipe=bike_pricing", "rollout.temperature=0.7",
                                  "eval.temperature=0.2"]).eval.temperature == 0.2
     assert load_config("train", ["recipe=bike_pricing"]).eval.temperature == 1.0
+
+
+def test_a_null_column_and_a_zero_start_timeout_are_named_as_they_are(cli, tmp_path):
+    """A row whose answer is null was reported as having no 'answer' column while listing it among the columns
+    present; distill.server_start_timeout_s=0 named distill.request_timeout_s."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(f'{{"question": "{i} + 1?", "answer": "{i + 1}"}}\n' for i in range(30))
+                    + '{"question": "2 + 2?", "answer": null}\n')
+    line = one_line_error(cli("check", "recipe=bike_pricing", f"data.source={rows}", "data.num_heldout=5",
+                              "eval.num_problems=5"))
+    assert "its 'answer' is null" in line, line
+    line = one_line_error(cli("check", "recipe=bike_pricing_distill", "distill.server_start_timeout_s=0"))
+    assert line.startswith("distill.server_start_timeout_s: must be > 0"), line

@@ -175,9 +175,11 @@ def validate_columns(rows: list[dict], needed: list, where: str = "row") -> None
     columns += needed_columns([r for r in needed if isinstance(r, WeightedReward)])
     for i, row in enumerate(rows):
         for column in columns:
-            if column not in row or row[column] is None:
+            if column not in row:
                 raise UsageError(f"{where} {i}: no '{column}' column, which the rewards need "
-                                   f"(columns present: {', '.join(sorted(row)) or 'none'})")
+                                 f"(columns present: {', '.join(sorted(row)) or 'none'})")
+            if row[column] is None:
+                raise UsageError(f"{where} {i}: its '{column}' is null, and the rewards need a value there")
 
 
 LEARNED = (RewardModel, Judge)  # the rewards that hold a model or a server

@@ -315,7 +315,10 @@ def _config_error_line(exc: BaseException, schema: type) -> str:
                         f"{', '.join(fields)}")
             return f"unknown key '{full}'{_suggest(full, _schema_keys(schema))}; see `grpo train --cfg job` for valid keys"
         if isinstance(e, MissingMandatoryValue):
-            return f"'{key}' has no value; set it in the recipe or on the command line ({key}=...)"
+            takes_recipe = any(COMMANDS[c].needs_recipe or COMMANDS[c].recipe_from for c in COMMANDS
+                               if COMMAND_SCHEMAS[c] is schema)
+            where = "in the recipe or on the command line" if takes_recipe else "on the command line"
+            return f"'{key}' has no value; set it {where} ({key}=...)"
         if isinstance(e, ValidationError):
             return f"{key}: {msg}" if key else msg
         return f"{key}: {msg}" if key else msg

@@ -176,6 +176,8 @@ def run_merge(config: Any, run_dir: Path | None = None) -> int:
     from safetensors.torch import save_file
 
     path, out = Path(config.checkpoint), Path(config.out)
+    if not path.is_dir():
+        raise UsageError(f"checkpoint '{path}' " + ("does not exist" if not path.exists() else "is not a directory"))
     if not is_adapter_dir(path):
         raise UsageError(f"checkpoint '{path}' holds no {ADAPTER_CONFIG}: not a LoRA checkpoint (a whole model "
                          "needs no merge)")

@@ -180,3 +180,12 @@ def test_a_null_column_and_a_zero_start_timeout_are_named_as_they_are(cli, tmp_p
     assert "its 'answer' is null" in line, line
     line = one_line_error(cli("check", "recipe=bike_pricing_distill", "distill.server_start_timeout_s=0"))
     assert line.startswith("distill.server_start_timeout_s: must be > 0"), line
+
+
+def test_merge_says_what_is_wrong_with_its_own_arguments(cli, tmp_path):
+    """`grpo merge checkpoint=/x` said the path 'holds no adapter_config.json' when it does not exist, and `grpo
+    merge` alone said 'set it in the recipe', though merge takes none."""
+    line = one_line_error(cli("merge", f"checkpoint={tmp_path / 'x'}", f"out={tmp_path / 'merged'}"), "merge")
+    assert line == f"checkpoint '{tmp_path / 'x'}' does not exist", line
+    line = one_line_error(cli("merge"), "merge")
+    assert "set it on the command line" in line and "recipe" not in line, line

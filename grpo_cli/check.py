@@ -8,6 +8,7 @@ model's config.json. What needs the hub (a hub model or dataset) is reported as 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -399,7 +400,29 @@ def warnings(cfg: TrainConfig) -> list[str]:
                    "or a smaller data.num_train (docs/sampling.md)")
     if r.dynamic_sampling and r.max_sampling_rounds == 1:
         out.append("rollout.dynamic_sampling with max_sampling_rounds=1: no further round is ever sampled")
-    return out
+    return out + unused_settings(cfg)
+
+
+def _changed(section: Any, name: str) -> bool:
+    """Whether a config section's field differs from the schema's default."""
+    field = next(f for f in dataclasses.fields(section) if f.name == name)
+    default = field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
+    return getattr(section, name) != default
+
+
+def unused_settings(cfg: TrainConfig) -> list[str]:
+    """Keys set away from their default that this config never reads, and what they wait for (issue 65)."""
+    r, lora, distill = cfg.rollout, cfg.model.lora, cfg.distill
+    table = [  # (section, field, the key's name, read only when, what would make it act)
+        (r, "max_sampling_rounds", "rollout.max_sampling_rounds", r.dynamic_sampling, "rollout.dynamic_sampling=true"),
+        (lora, "alpha", "model.lora.alpha", lora.enabled, "model.lora.rank"),
+        (r, "lora_push", "rollout.lora_push", lora.enabled, "model.lora.rank"),
+        (distill, "objective", "distill.objective", bool(distill.teacher), "distill.teacher"),
+        (cfg.data, "instruction", "data.instruction", cfg.data.template == "chat", "data.template=chat"),
+        (r, "max_turns", "rollout.max_turns", r.multi_turn, "rollout.tools or rollout.environment"),
+    ]
+    return [f"{key}: unused without {needs}" for section, name, key, read, needs in table
+            if not read and _changed(section, name)]
 
 
 def teacher_bytes(cfg: TrainConfig, world_size: int) -> float | None:

@@ -189,3 +189,19 @@ def test_merge_says_what_is_wrong_with_its_own_arguments(cli, tmp_path):
     assert line == f"checkpoint '{tmp_path / 'x'}' does not exist", line
     line = one_line_error(cli("merge"), "merge")
     assert "set it on the command line" in line and "recipe" not in line, line
+
+
+def test_check_warns_of_each_setting_that_waits_for_another():
+    """grpo check's 'settings that do nothing' missed these six; the shipped recipes set none of them in vain."""
+    from grpo_cli.check import unused_settings
+    from grpo_cli.cli import available_recipes, load_config
+
+    cfg = load_config("check", ["recipe=bike_pricing", "rollout.max_sampling_rounds=2", "model.lora.alpha=8",
+                                "rollout.lora_push=merged", "distill.objective=distill", "data.instruction=hi",
+                                "rollout.max_turns=3"])
+    assert unused_settings(cfg) == [
+        "rollout.max_sampling_rounds: unused without rollout.dynamic_sampling=true",
+        "model.lora.alpha: unused without model.lora.rank", "rollout.lora_push: unused without model.lora.rank",
+        "distill.objective: unused without distill.teacher", "data.instruction: unused without data.template=chat",
+        "rollout.max_turns: unused without rollout.tools or rollout.environment"]
+    assert all(unused_settings(load_config("check", [f"recipe={r}"])) == [] for r in available_recipes())

@@ -364,7 +364,7 @@ def _register(command: str, recipe_required: bool = True, rest: list[str] | None
 
     hydra_settings: dict[str, Any] = {
         "job": {"name": log_name(command, rank())[: -len(".log")], "chdir": False},  # train.log, train-rank1.log
-        "help": {"app_name": f"grpo {command}"},
+        "help": {"app_name": f"grpo {command}", "template": _help_template(schema)},
     }
     recipe_required = recipe_required and COMMANDS[command].needs_recipe
     default_recipe = RUN_RECIPE if run_config is not None else "???" if recipe_required else None
@@ -382,6 +382,54 @@ def _register(command: str, recipe_required: bool = True, rest: list[str] | None
         hydra_settings["sweep"] = {"dir": str(_SWEEP_SCRATCH), "subdir": "${hydra.job.num}"}
         defaults += [{"override hydra/job_logging": "none"}, {"override hydra/hydra_logging": "none"}]
     cs.store(name=command, node={"defaults": defaults, "hydra": hydra_settings})
+
+
+def _field_comments(cls: type) -> dict[str, str]:
+    """{field: its comment} read off a config dataclass's source: the schema documents itself, a comment a field."""
+    import inspect
+    import re
+
+    try:
+        source = inspect.getsource(cls)
+    except (OSError, TypeError):
+        return {}
+    found = {}
+    for line in source.splitlines():
+        if (m := re.match(r"^    (\w+): [^#]*?(?:#\s*(.*))?$", line)) and m.group(2):
+            found[m.group(1)] = m.group(2).strip()
+    return found
+
+
+def schema_help(schema: type, prefix: str = "") -> list[str]:
+    """Every key of a config schema as `key=default  # its comment`, a list's items (rewards, rollout.tools) by
+    their own fields as `key[i].field`: what `grpo COMMAND --help` shows under the composed config."""
+    import json
+
+    def shown(value: Any) -> str:
+        return "???" if value is dataclasses.MISSING else value if isinstance(value, str) else json.dumps(value)
+
+    lines, comments, hints = [], _field_comments(schema), typing.get_type_hints(schema)
+    for f in dataclasses.fields(schema):
+        key, note = f"{prefix}{f.name}", f"  # {comments[f.name]}" if f.name in comments else ""
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        item = (typing.get_args(hints[f.name]) or [None])[0] if typing.get_origin(hints[f.name]) is list else None
+        if dataclasses.is_dataclass(default):
+            lines += schema_help(type(default), key + ".")
+        elif dataclasses.is_dataclass(item):
+            lines += [f"{key}: a list, each item with the keys below{note}", *schema_help(item, f"{key}[i].")]
+        else:
+            lines.append(f"{key}={shown(default)}{note}")
+    return lines
+
+
+def _help_template(schema: type) -> str:
+    """Hydra's help page: the composed config (a recipe's values), then every key with its default and comment.
+    (Hydra reads the template through OmegaConf and string.Template: `$` and `${` are escaped.)"""
+    keys = "\n".join(schema_help(schema)).replace("$", "$$").replace("${", "\\${")
+    return ("${hydra.help.header}\n== Configuration groups ==\n$APP_CONFIG_GROUPS\n\n== Config ==\n"
+            "The config this command line composes (override any key with key=value):\n\n$CONFIG\n"
+            "== Every key ==\nIts default and what it does; a list's items take the keys shown under it:\n\n"
+            f"{keys}\n\n${{hydra.help.footer}}")
 
 
 def _recipe_node(path: Path, schema: type) -> Any:
@@ -697,7 +745,7 @@ def _print_help() -> None:
         "",
         "examples:",
         "  grpo train recipe=bike_pricing",
-        "  grpo train recipe=bike_pricing rollout.group_size=16 trainer.lr=3e-6",
+        "  grpo train recipe=bike_pricing rollout.group_size=16 trainer.lr=1e-4",
         "  grpo train recipe=bike_pricing --cfg job          # print the resolved config, run nothing",
         "  grpo train -m recipe=bike_pricing trainer.kl_coef=0,0.02   # a sweep",
         "  grpo eval checkpoints=[base,RUN_DIR/checkpoints/final]     # compare a run's start and end",

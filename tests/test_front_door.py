@@ -205,3 +205,13 @@ def test_check_warns_of_each_setting_that_waits_for_another():
         "distill.objective: unused without distill.teacher", "data.instruction: unused without data.template=chat",
         "rollout.max_turns: unused without rollout.tools or rollout.environment"]
     assert all(unused_settings(load_config("check", [f"recipe={r}"])) == [] for r in available_recipes())
+
+
+def test_command_help_shows_every_key_with_its_comment_and_the_list_items_fields(cli):
+    """`grpo train --help` promised every key with its default but showed `rewards: []` and `tools: []` and none of
+    the schema's comments."""
+    out = cli("train", "--help")
+    assert out.returncode == 0, out.stderr
+    assert "rewards[i].weight=1.0  # weight of this function in the summed reward" in out.stdout
+    assert "rollout.tools[i].timeout_s=" in out.stdout and "rollout.tools[i].sandbox=auto  # " in out.stdout
+    assert "trainer.kl_coef=" in out.stdout and "  # " in out.stdout.split("trainer.kl_coef=")[1].splitlines()[0]

@@ -112,7 +112,7 @@ class DataConfig:
     source: str = "builtin:bike_pricing"  # builtin:NAME (generator) | path/to/file.jsonl | path/to/file.parquet | hub:owner/dataset
     split: str = "train"  # split name when source is a hub dataset
     hub_config: str | None = None  # the hub dataset's configuration (subset), e.g. "main" for openai/gsm8k; None = its default
-    prompt_column: str = "question"  # column holding the question text given to the template
+    prompt_column: str = "question"  # column holding the question: text given to the template, or chat messages (data.template=chat only)
     rename_columns: dict[str, str] = field(default_factory=dict)  # file/hub rows: {old: new} column names, e.g. {solution: answer}, applied first
     num_train: int = 20000  # problems generated for training (builtin sources only)
     num_heldout: int = 200  # fixed-size held-out set used for evaluation (never shares a question with train)

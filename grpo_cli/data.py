@@ -6,8 +6,9 @@
   path/to/file.parquet  local rows
   hub:owner/name[@split] a dataset on the Hugging Face hub (split defaults to data.split)
 
-A row is a dict; `data.prompt_column` holds the question and every other column
-(e.g. `answer`) is kept, so reward functions receive it by name.
+A row is a dict; `data.prompt_column` holds the question (text, or a conversation: a list of chat messages,
+rendered by the chat template; prompts.py) and every other column (e.g. `answer`) is kept, so reward
+functions receive it by name.
 
 Held-out rows for file and hub sources: the last `num_heldout` rows after a
 shuffle seeded by `data.seed`, or the first `num_heldout` rows of
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from grpo_cli.errors import UsageError, one_line
+from grpo_cli.prompts import conversation_problem, is_conversation, prompt_key
 from grpo_cli.tasks import BUILTIN_TASKS
 
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
@@ -113,8 +115,10 @@ def rename_columns(rows: list[dict], renames: dict[str, str], source: str) -> li
     return [{renames.get(k, k): v for k, v in row.items()} for row in rows]
 
 
-def check_rows(rows: list[dict], prompt_column: str, source: str, key: str = "data.source") -> None:
-    """Fail at the edge: no rows, no prompt column, or a row whose prompt is not text."""
+def check_rows(rows: list[dict], prompt_column: str, source: str, key: str = "data.source", *,
+               template: str) -> None:
+    """Fail at the edge: no rows, no prompt column, or a row whose prompt is neither text nor a well-formed
+    conversation (chat messages, which need data.template=chat)."""
     if not rows:
         raise UsageError(f"{key}: '{source}' has no rows")
     if prompt_column not in rows[0]:
@@ -122,9 +126,16 @@ def check_rows(rows: list[dict], prompt_column: str, source: str, key: str = "da
                          f"(columns: {', '.join(rows[0])}); set data.prompt_column=NAME")
     for i, row in enumerate(rows):
         prompt = row.get(prompt_column)
-        if not isinstance(prompt, str) or not prompt.strip():
+        where = f"{key}: '{source}' row {i} (counting from 0): column '{prompt_column}'"
+        if is_conversation(prompt):
+            if problem := conversation_problem(prompt):
+                raise UsageError(f"{where} holds chat messages, but {problem}")
+            if template != "chat":
+                raise UsageError(f"{where} holds chat messages, which go through the model's chat template; set "
+                                 "data.template=chat")
+        elif not isinstance(prompt, str) or not prompt.strip():
             what = "missing" if prompt is None else "empty" if isinstance(prompt, str) else "not text"
-            raise UsageError(f"{key}: '{source}' row {i} (counting from 0): column '{prompt_column}' is {what}")
+            raise UsageError(f"{where} is {what} (a prompt is text or a list of chat messages)")
 
 
 # ---------------------------------------------------------------------------
@@ -162,8 +173,8 @@ def split_rows(rows: list[dict], heldout: list[dict] | None, data: Any) -> tuple
                          f"fewer than data.num_heldout={n}; lower data.num_heldout")
     else:
         heldout = heldout[:n]
-    held_questions = {row[data.prompt_column] for row in heldout}
-    train = [row for row in rows if row[data.prompt_column] not in held_questions]
+    held_questions = {prompt_key(row[data.prompt_column]) for row in heldout}
+    train = [row for row in rows if prompt_key(row[data.prompt_column]) not in held_questions]
     if not train:
         raise UsageError(f"data.source: every row of '{data.source}' repeats a held-out question; nothing to train on")
     return train, heldout
@@ -178,16 +189,17 @@ def load_splits(data: Any) -> tuple[list[dict], list[dict]]:
     """DataConfig -> (train rows, held-out rows); every check happens here, before any model loads."""
     if data.source.startswith("builtin:"):
         train, heldout = builtin_splits(data)
-        check_rows(train, data.prompt_column, data.source)
+        check_rows(train, data.prompt_column, data.source, template=data.template)
         return train, heldout
     rows = rename_columns(read_rows(data.source, data.split, hub_config=data.hub_config), data.rename_columns,
                           data.source)
-    check_rows(rows, data.prompt_column, data.source)
+    check_rows(rows, data.prompt_column, data.source, template=data.template)
     heldout = None
     if data.heldout_source:
         heldout = rename_columns(read_rows(data.heldout_source, data.split, key="data.heldout_source",
                                            hub_config=data.hub_config), data.rename_columns, data.heldout_source)
-        check_rows(heldout, data.prompt_column, data.heldout_source, key="data.heldout_source")
+        check_rows(heldout, data.prompt_column, data.heldout_source, key="data.heldout_source",
+                   template=data.template)
     return split_rows(rows, heldout, data)
 
 

@@ -15,6 +15,8 @@ from grpo_cli.data import load_splits
 from grpo_cli.errors import UsageError
 from grpo_cli.tasks import bike_pricing
 
+FIXTURES = Path(__file__).parent / "fixtures"
+
 
 def rows_of(n: int) -> list[dict]:
     return [{"question": f"What is {i} + 1?", "answer": f"{i + 1}.00", "level": i % 3} for i in range(n)]
@@ -110,6 +112,70 @@ def test_heldout_source_gives_the_held_out_rows(tmp_path):
     assert train == rows[8:]  # the source minus held-out questions, in file order
     with pytest.raises(UsageError, match="has 9 rows, fewer than data.num_heldout=20"):
         load_splits(DataConfig(source=str(source), heldout_source=str(held), num_heldout=20))
+
+
+# ---------------------------------------------------------------------------
+# conversational prompts: a prompt column of chat messages (TRL's format)
+
+CONVERSATION = FIXTURES / "gsm8k_conversational.jsonl"
+
+
+def test_a_conversation_column_loads_under_the_chat_template_and_splits_by_its_messages():
+    rows = [json.loads(line) for line in CONVERSATION.read_text().splitlines()]
+    train, heldout = load_splits(DataConfig(source=str(CONVERSATION), prompt_column="prompt", template="chat",
+                                            num_heldout=4))
+    assert len(heldout) == 4 and len(train) == len(rows) - 4
+    assert all(row in rows for row in train + heldout) and not [r for r in train if r in heldout]
+    doubled = load_splits(DataConfig(source=str(CONVERSATION), heldout_source=str(CONVERSATION),
+                                     prompt_column="prompt", template="chat", num_heldout=4))
+    assert doubled[0] == rows[4:]  # a conversation held out is never trained on (compared by its messages)
+
+
+@pytest.mark.parametrize("prompt, template, message", [
+    ([{"role": "user", "content": "2+2?"}], "plain",
+     "column 'prompt' holds chat messages, which go through the model's chat template; set data.template=chat"),
+    ([], "chat", "holds chat messages, but an empty list of messages"),
+    ([{"role": "user", "text": "2+2?"}], "chat", "message 0 is not a {role, content} object"),
+    ([{"role": "robot", "content": "2+2?"}], "chat", "message 0 has role 'robot' (roles: system, user, assistant)"),
+    ([{"role": "user", "content": ""}], "chat", "message 0's content is not text or is empty"),
+    ([{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}], "chat",
+     "the last message is the assistant's; a prompt ends with the user's turn"),
+    (7, "chat", "column 'prompt' is not text (a prompt is text or a list of chat messages)"),
+])
+def test_a_bad_conversation_is_one_line_naming_its_row(tmp_path, prompt, template, message):
+    rows = [{"prompt": [{"role": "user", "content": f"{i}+1?"}], "answer": "1"} for i in range(3)]
+    path = write_jsonl(tmp_path / "c.jsonl", [*rows, {"prompt": prompt, "answer": "4"}])
+    with pytest.raises(UsageError) as info:
+        load_splits(DataConfig(source=str(path), prompt_column="prompt", template=template, num_heldout=1))
+    text = str(info.value)
+    first_bad = 3 if template == "chat" else 0  # under the plain template every conversation is refused
+    assert f"row {first_bad} (counting from 0)" in text and message in text and "\n" not in text, text
+
+
+def test_a_conversation_renders_as_it_is_and_rewards_read_its_question(tiny_chat_model_dir):
+    from transformers import AutoTokenizer
+
+    from grpo_cli.prompts import render_row
+    from grpo_cli.rewards import SampleContext, score
+    from grpo_cli.rewards.load import WeightedReward
+
+    row = json.loads(CONVERSATION.read_text().splitlines()[0])
+    data = DataConfig(source=str(CONVERSATION), prompt_column="prompt", template="chat", system_prompt="ignored")
+    text = render_row(row, data, AutoTokenizer.from_pretrained(tiny_chat_model_dir))
+    system, question = (m["content"] for m in row["prompt"])
+    assert text == (f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{question}<|im_end|>\n"
+                    "<|im_start|>assistant\n")  # its own system turn; no data.instruction appended
+
+    seen = []
+
+    def spy(completions, prompt, **kwargs):
+        seen.extend(prompt)
+        return [1.0] * len(completions)
+
+    fns = [WeightedReward("spy", spy, 1.0)]
+    columns = {"prompt": [row["prompt"]] * 2, "answer": [row["answer"]] * 2}  # the prompt column is named prompt
+    scores = score(fns, ["a", "b"], columns, "answer_tag", context=SampleContext(prompts=columns["prompt"]))
+    assert scores.total == [1.0, 1.0] and seen == [question, question]
 
 
 def _file(tmp_path: Path, name: str, content: str | None) -> str:

@@ -98,6 +98,21 @@ def test_gsm8k_recipe_runs_on_local_rows_with_math_verify_and_a_chat_template(tm
 
 
 @pytest.mark.slow
+def test_a_conversational_dataset_trains_through_the_chat_template(tmp_path, tiny_chat_model_dir):
+    """TRL's conversational format: the prompt column holds chat messages (here with their own system turn)."""
+    run_dir = _train(
+        tmp_path, "gsm8k", f"model.name_or_path={tiny_chat_model_dir}",
+        f"data.source={FIXTURES / 'gsm8k_conversational.jsonl'}", "data.heldout_source=null",
+        "data.prompt_column=prompt", "data.num_heldout=4", "eval.num_problems=4", "logging.samples_every=1")
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics if "reward/math_equal" in m] == [1, 2]
+    assert all(m.get("reward/failures", 0) == 0 for m in metrics) and any("eval/pass@1" in m for m in metrics)
+    samples = [json.loads(line) for line in (run_dir / "completions.jsonl").read_text().splitlines()]
+    assert samples and all(s["prompt"].startswith("<|im_start|>system\nYou are a careful math tutor.")
+                           for s in samples)
+
+
+@pytest.mark.slow
 def test_math_recipe_runs_on_local_rows_with_boxed_answers(tmp_path, tiny_chat_model_dir):
     run_dir = _train(
         tmp_path, "math", f"model.name_or_path={tiny_chat_model_dir}", f"data.source={FIXTURES / 'math.jsonl'}",

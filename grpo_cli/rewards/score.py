@@ -13,6 +13,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from grpo_cli.prompts import question_text
 from grpo_cli.rewards.load import RESERVED, TOOL_RUN_ONLY, WeightedReward
 from grpo_cli.rewards.worker import call_in_process
 
@@ -118,7 +119,7 @@ class SampleContext(NamedTuple):
     """What the scorer knows of each of the N samples beside its text, each [N] (None: not known here)."""
 
     completion_tokens: list[int] | None = None  # the model's token counts (a trajectory's tool replies are not)
-    prompts: list[str] | None = None  # the question each completion answers, passed as `prompt`
+    prompts: list[Any] | None = None  # each sample's prompt column (text or chat messages); passed as `prompt`, the question as text
     tool_calls: list[list[dict]] | None = None  # a tool run: each trajectory's calls (tool, argument, result, ok)
     environment: tuple[list, list] | None = None  # with an environment: ([N] its state, [N] its reward())
     trajectories: list[str] | None = None  # a tool run: the whole trajectory's text, the tools' replies in it
@@ -147,6 +148,8 @@ def score(rewards: list[WeightedReward], completions: list, columns: dict[str, l
     passed = {"tool_calls": context.tool_calls, "environment_state": states, "environment_reward": env_rewards,
               "trajectory": context.trajectories, "trajectory_tokens": context.trajectory_tokens}
     reserved = [name for name in RESERVED if name not in TOOL_RUN_ONLY or passed[name] is not None]
+    # A prompt column named `prompt` (TRL's name) is the prompt itself: passed once, as the question's text.
+    columns = {k: v for k, v in columns.items() if not (k == "prompt" and v == context.prompts)}
     for name, values in columns.items():
         if name in reserved:
             raise ValueError(f"a dataset column is named '{name}', which reward functions receive as an argument; "
@@ -154,7 +157,8 @@ def score(rewards: list[WeightedReward], completions: list, columns: dict[str, l
         if len(values) != n:
             raise ValueError(f"column '{name}' has {len(values)} values for {n} completions")
     failures = failures if failures is not None else RewardFailures()
-    extra = (("completion_tokens", context.completion_tokens), ("prompt", context.prompts), *passed.items())
+    prompts = None if context.prompts is None else [question_text(p) for p in context.prompts]
+    extra = (("completion_tokens", context.completion_tokens), ("prompt", prompts), *passed.items())
     per_sample = {**columns, **{k: v for k, v in extra if v is not None}}
     fixed = {"answer_format": answer_format, **({"max_new_tokens": max_new_tokens} if max_new_tokens else {}),
              **({"max_trajectory_tokens": context.max_trajectory_tokens} if context.max_trajectory_tokens else {})}

@@ -35,6 +35,7 @@ from grpo_cli.dist import channel, launch
 from grpo_cli.dist.launch import log_name, rank
 from grpo_cli.errors import RunFailure, UsageError  # also reachable as grpo_cli.cli.UsageError
 from grpo_cli.runs import resume_dir
+from grpo_cli.runtime import quiet_third_party
 
 RECIPE_PATH_ENV = "GRPO_RECIPE_PATH"  # extra recipe directories, separated like PATH
 
@@ -681,6 +682,8 @@ def _make_app(command: str) -> Callable[[], Any]:
         if who and getattr(getattr(config, "rollout", None), "placement", "") == "split":
             who = f"{'generator' if rank() >= config.trainer_ranks else 'trainer'} {who}"
         module_name, func_name = spec.runner.split(":")
+        # every command, before its runner imports vLLM/datasets/transformers (their env variables are read then)
+        quiet_third_party(getattr(getattr(config, "logging", None), "verbose_libraries", False))
         try:
             import importlib
 

@@ -24,6 +24,7 @@ import random
 from pathlib import Path
 from typing import Any
 
+from grpo_cli import hub
 from grpo_cli.errors import UsageError, one_line
 from grpo_cli.prompts import conversation_problem, is_conversation, prompt_key
 from grpo_cli.tasks import BUILTIN_TASKS
@@ -89,11 +90,13 @@ def read_hub_rows(spec: str, default_split: str, key: str = "data.source", hub_c
     split = split or default_split
     if not name:
         raise UsageError(f"{key}: '{spec}' names no dataset; write hub:owner/name")
+    hub.settle()  # an unreachable hub: the cache only, and a quick failure instead of half a minute of retries
     datasets = _quiet_datasets()
     try:
         dataset = datasets.load_dataset(name, hub_config, split=split)
     except Exception as e:
-        raise UsageError(f"{key}: cannot load hub dataset '{name}' (split '{split}'): {one_line(e)}") from None
+        raise UsageError(f"{key}: cannot load hub dataset '{name}' (split '{split}'): {one_line(e)}"
+                         f"{hub.offline_note()}") from None
     return dataset.to_list()
 
 

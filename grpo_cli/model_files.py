@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from grpo_cli import hub
 from grpo_cli.errors import UsageError
 
 BUILTIN_PREFIX = "builtin:"
@@ -77,4 +78,6 @@ def checked_model_path(key: str, name_or_path: str) -> str:
         raise UsageError(f"{key}: {e}") from None
     if damage := damaged_weights(path):
         raise UsageError(f"{key}: {damage}")
+    if not Path(path).is_dir():
+        hub.settle()  # a hub id: an unreachable hub means the cache only, before any library tries it
     return path

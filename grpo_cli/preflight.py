@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from grpo_cli import data, passes, rewards
+from grpo_cli import data, hub, passes, rewards
 from grpo_cli.checkpoint import load_tokenizer
 from grpo_cli.config import TrainConfig
 from grpo_cli.engines.options import max_model_len, vllm_lora_rank
@@ -69,9 +69,7 @@ def preflight(cfg: TrainConfig, checking: bool = False) -> Task | None:
         tools = load_tools(cfg.rollout.tools, cfg.rollout.tool_format, cfg.rollout.environment)
         check_tool_run(tools, reward_fns, {"train": train_rows, "held-out": heldout_rows})
         return None
-    from transformers import AutoConfig
-
-    model_config = AutoConfig.from_pretrained(model_path)
+    model_config = model_config_of("model.name_or_path", model_path)
     if reason := passes.shared_prompt_unsupported(model_config):
         raise UsageError(f"model.name_or_path: {reason}")
     if cfg.model.lora.enabled:
@@ -100,11 +98,10 @@ def check_teacher(teacher: str, student: str, tokenizer: Any) -> str:
     """distill.teacher before any model loads: its files, a causal LM the passes can run, and the student's
     tokenizer (the same vocabulary and special tokens, so a token id means the same token to both; across
     tokenizers a per-token logprob compares nothing). Returns its directory (or hub id)."""
-    from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     path = checked_model_path("distill.teacher", teacher)
-    config = AutoConfig.from_pretrained(path)
+    config = model_config_of("distill.teacher", path)
     architectures = config.architectures or []
     causal = any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in architectures) if architectures \
         else config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -117,6 +114,20 @@ def check_teacher(teacher: str, student: str, tokenizer: Any) -> str:
         raise UsageError(f"distill.teacher: its tokenizer differs from the student's ({differs}): student "
                          f"{student}, teacher {teacher}; distillation across tokenizers is not supported")
     return path
+
+
+def model_config_of(key: str, path: str) -> Any:
+    """A model's config (the first file a run reads of it); a hub id that cannot be fetched is one line naming
+    `key`, not transformers' traceback."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(path)
+    except OSError as e:
+        if Path(path).is_dir():
+            raise
+        first = str(e).strip().splitlines()[0].rstrip(".") if str(e).strip() else type(e).__name__
+        raise UsageError(f"{key}: cannot load hub model '{path}': {first}{hub.offline_note()}") from None
 
 
 def tokenizer_difference(student: Any, teacher: Any) -> str | None:

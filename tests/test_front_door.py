@@ -215,3 +215,65 @@ def test_command_help_shows_every_key_with_its_comment_and_the_list_items_fields
     assert "rewards[i].weight=1.0  # weight of this function in the summed reward" in out.stdout
     assert "rollout.tools[i].timeout_s=" in out.stdout and "rollout.tools[i].sandbox=auto  # " in out.stdout
     assert "trainer.kl_coef=" in out.stdout and "  # " in out.stdout.split("trainer.kl_coef=")[1].splitlines()[0]
+
+
+# ---------------------------------------------------------------------------
+# library output and an unreachable hub
+
+
+@pytest.mark.parametrize("args", [["reward", "recipe=bike_pricing", f"cases={REPO / 'recipes/bike_pricing_cases.jsonl'}"],
+                                  ["export", "recipe=bike_pricing", "data.num_train=40", "data.num_heldout=8",
+                                   "eval.num_problems=8"]])
+def test_every_command_silences_the_libraries_before_it_runs(cli, monkeypatch, tmp_path, args):
+    """Before: only train and eval did, so `grpo reward recipe=bike_pricing_rm` showed transformers' loading bar."""
+    import grpo_cli.cli
+
+    calls = []
+    monkeypatch.setattr(grpo_cli.cli, "quiet_third_party", calls.append)
+    out = cli(*args, *([f"out={tmp_path}"] if args[0] == "export" else []))
+    assert out.returncode == 0, out.stderr
+    assert calls == [False]  # once, silenced (logging.verbose_libraries=false)
+    assert cli(*args, "logging.verbose_libraries=true", *([f"out={tmp_path}"] if args[0] == "export" else [])
+               ).returncode == 0 and calls == [False, True]
+
+
+@pytest.fixture
+def unreachable_hub(monkeypatch):
+    """A hub endpoint that refuses connections, and this process's hub state restored afterwards."""
+    import huggingface_hub.constants
+
+    from grpo_cli import hub
+
+    monkeypatch.setattr(hub, "_settled", None)
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # the discard port: nothing listens there
+    for name in hub.OFFLINE_ENV:
+        monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv(name, "")  # set, so that monkeypatch restores it after go_offline()
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    import datasets.config
+
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", False)
+    return hub
+
+
+def test_an_unreachable_hub_is_one_quick_line_and_the_cache_only(cli, unreachable_hub, caplog):
+    """Before: 13 hub-retry lines over 27 s, then the error. Now one probe, then the libraries read the cache."""
+    import huggingface_hub.constants
+
+    out = cli("export", "recipe=bike_pricing", "data.source=hub:someone/nothing-here", "data.num_heldout=8",
+              "eval.num_problems=8", "out=unused")
+    line = one_line_error(out, "export")
+    assert line.startswith("data.source: cannot load hub dataset 'someone/nothing-here'"), line
+    assert line.endswith("the hub (127.0.0.1) could not be reached within 3 s, so only the local cache was read"), line
+    assert huggingface_hub.constants.HF_HUB_OFFLINE is True and all(
+        __import__("os").environ[name] == "1" for name in unreachable_hub.OFFLINE_ENV)
+    assert not [r for r in caplog.records if "Retrying" in r.getMessage()]
+
+
+def test_a_users_offline_choice_is_not_probed(monkeypatch, unreachable_hub):
+    import grpo_cli.hub as hub
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(hub, "_connects", lambda *a: pytest.fail("probed although the user chose offline"))
+    assert hub.settle() == "" and hub.offline_note() == ""

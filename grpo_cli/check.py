@@ -164,12 +164,18 @@ def tool_lines(cfg: TrainConfig) -> list[str]:
             how = "read off the chat template" if r.tool_call_syntax == "auto" else "rollout.tool_call_syntax"
             syntax = [f"tool calls: {chosen} syntax ({how}), {CALL_FORMS[chosen]}; every call of a turn, run in order"]
 
-    tools = ", ".join(f"{spec.function} ({call_strings(spec)[0]}...)" for spec in r.tools) or "none"
+    if r.tool_format == "chat":  # schemas shown and calls parsed by the chat template: no tags are written
+        tools = ", ".join(spec.function for spec in r.tools) or "none"
+        shown = (f"tools: {tools}, each shown to the model as a JSON schema through the chat template; results go "
+                 "back as the template's tool messages")
+    else:
+        tools = ", ".join(f"{spec.function} ({call_strings(spec)[0]}...)" for spec in r.tools) or "none"
+        shown = f"tools: {tools}; results between {r.tool_result_tags[0]!r} and {r.tool_result_tags[1]!r}"
     env = r.environment
     env_line = [f"environment: {env.cls}, one instance per sample built from its row; its public methods are "
                 "tools" + (f" (tags: {', '.join(f'{m} {t[0]}...' for m, t in env.tags.items())})" if env.tags else "")
                 + (f"; {env.timeout_s:g} s per call" if env.timeout_s else "")] if env.cls else []
-    return [f"tools: {tools}; results between {r.tool_result_tags[0]!r} and {r.tool_result_tags[1]!r}", *env_line,
+    return [shown, *env_line,
             f"tool budgets per trajectory: <= {r.max_turns} model turns of <= {r.max_new_tokens} tokens, "
             f"<= {r.max_tool_calls} calls, <= {r.max_tool_result_tokens} tokens per result, <= {r.trajectory_tokens} "
             "tokens after the prompt (rollout.max_trajectory_tokens); tool replies are attended but leave the loss",

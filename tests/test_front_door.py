@@ -277,3 +277,15 @@ def test_a_users_offline_choice_is_not_probed(monkeypatch, unreachable_hub):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(hub, "_connects", lambda *a: pytest.fail("probed although the user chose offline"))
     assert hub.settle() == "" and hub.offline_note() == ""
+
+
+def test_chat_format_tools_are_described_as_the_chat_template_shows_them(cli):
+    """Before: `grpo check recipe=gsm8k_tools` printed the tag format's call string and result tags."""
+    out = cli("check", "recipe=gsm8k_tools")
+    assert out.returncode == 0, out.stderr
+    tools = [line for line in out.stdout.splitlines() if line.strip().startswith("tools:")]
+    assert tools == ["  tools: calculator, each shown to the model as a JSON schema through the chat template; "
+                     "results go back as the template's tool messages"], tools
+    assert "<calculator>" not in out.stdout and "<result>" not in out.stdout
+    tagged = cli("check", "recipe=bike_pricing_tools")
+    assert "  tools: calculator (<calc>...); results between '<result>' and '</result>'" in tagged.stdout

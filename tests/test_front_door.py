@@ -289,3 +289,76 @@ def test_chat_format_tools_are_described_as_the_chat_template_shows_them(cli):
     assert "<calculator>" not in out.stdout and "<result>" not in out.stdout
     tagged = cli("check", "recipe=bike_pricing_tools")
     assert "  tools: calculator (<calc>...); results between '<result>' and '</result>'" in tagged.stdout
+
+
+def test_the_docs_list_every_key_a_resume_may_change():
+    """README and docs/checkpoints.md omitted rollout.placement and rollout.generator_ranks."""
+    import re
+
+    from grpo_cli.setup import RESUMABLE_CHANGES
+
+    for page in ("README.md", "docs/checkpoints.md"):
+        text = " ".join((REPO / page).read_text().split())
+        listed = re.search(r"Only (`resume`, `output_dir`, )?`trainer\.steps`.*?may (change|differ)", text).group(0)
+        for key in RESUMABLE_CHANGES[2:]:
+            assert f"`{key}*`" in listed if key.endswith(".") else f"`{key}`" in listed, (page, key, listed)
+
+
+def test_the_readme_names_every_shipped_recipe():
+    text = " ".join((REPO / "README.md").read_text().split())
+    shipped = text[text.index("Shipped: "):].split(". docs/rewards.md")[0]
+    for path in sorted((REPO / "recipes").glob("*.yaml")):
+        assert f"`{path.stem}`" in shipped, path.stem
+
+
+# ---------------------------------------------------------------------------
+# one page of figures
+
+
+def _figures_script():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("figures", REPO / "scripts" / "figures.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_readme_states_the_default_runs_figures_as_docs_figures_does():
+    import re
+
+    rows = {m.group(1): m.groups() for m in re.finditer(
+        r"^\| `(\w+)` \| (\d+) \((\d+) x (\d+)\) \| ([^|]+) \| ([^|]+) \| ([\d.]+) \| ([\d.]+) -> ([\d.]+) ",
+        (REPO / "docs" / "figures.md").read_text(), re.M)}
+    _, steps, prompts, group, _, _, step_s, start, end = rows["bike_pricing"]
+    readme = " ".join((REPO / "README.md").read_text().split())
+    assert (f"{steps} steps of {prompts} prompts x {group} samples" in readme and f"({step_s} s a step)" in readme
+            and f"held-out pass@1 from {start} to {end}" in readme), (steps, step_s, start, end)
+
+
+def test_the_figures_script_reads_a_run(tmp_path):
+    import json
+
+    figures = _figures_script()
+    run = tmp_path / "2026-01-02_03-04-05_123-abcd"
+    (run / ".hydra").mkdir(parents=True)
+    (run / "config.yaml").write_text("task: bike_pricing\nrollout:\n  prompts_per_step: 8\n  group_size: 4\n")
+    (run / ".hydra" / "overrides.yaml").write_text("- recipe=bike_pricing\n- trainer.steps=3\n")
+    rows = [{"step": 0, "eval/pass@1": 0.25}, {"step": 1, "time/step": 2.0, "elapsed_s": 2.0},
+            {"step": 2, "time/step": 4.0, "elapsed_s": 6.0, "eval/pass@1": 0.5},
+            {"step": 3, "time/step": 3.0, "elapsed_s": 9.0, "eval/pass@1": 0.5}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    import os
+    import time
+
+    end = time.mktime(time.strptime("2026-01-02 03:05:15", "%Y-%m-%d %H:%M:%S"))
+    os.utime(run / "metrics.jsonl", (end, end))
+    os.utime(run / "config.yaml", (end - 60, end - 60))
+    os.utime(run / ".hydra" / "overrides.yaml", (end - 60, end - 60))
+    got = figures.summarise(run)
+    assert (got["steps"], got["wall_s"], got["training_s"], got["median_step_s"]) == (3, 70.0, 9.0, 3.0)
+    assert (got["start"], got["end"], got["best"], got["overrides"]) == ((0, 0.25), (3, 0.5), (2, 0.5),
+                                                                         ["trainer.steps=3"])
+    page = figures.page([got], "python scripts/figures.py X")
+    assert ("| `bike_pricing` (trainer.steps=3) | 3 (8 x 4) | 1 min 10 s | 0 min 09 s | 3.00 | 0.250 -> 0.500 (0.500 at "
+            "step 2) |") in page

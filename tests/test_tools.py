@@ -1358,3 +1358,42 @@ def test_forget_waits_for_a_call_on_the_environments_worker():
         assert env.call(a, row, [("wait", "0.5")], "wait", "0")[0] == ("#2 waited 0", True, None)  # a kept its state
     finally:
         env.close()
+
+
+def test_evaluation_continuation_seeds_never_land_among_trainings():
+    """Continuation turns (after a tool reply) of evaluation's samples were seeded modulo 2**31 - 1, back among
+    training's seeds that evaluation's own slots moved them out of (issue 66). Training's stay where the shipped
+    tool curves were sampled."""
+    from grpo_cli.engines.tools import call_seed
+    from grpo_cli.rollout import sample_seeds
+
+    for prompts, group in [(1, 1), (8, 8), (64, 16), (512, 64)]:
+        for stream in (1, 2, 64):  # evaluation, the first and last dynamic-sampling rounds
+            firsts = sample_seeds(7, 123, prompts, stream, group)
+            later = {call_seed(seed, g, call) for seed in firsts for g in range(group) for call in (1, 2, 5)}
+            assert min(later) >= 2**31 + 2**62 > max(firsts) + group and max(later) < 2**63, (prompts, group, stream)
+    trained = sample_seeds(7, 123, 8, 0, 8)
+    assert all(call_seed(seed, g, 1) == (seed * 1_000_003 + g * 7_919 + 104_729 + 1) % (2**31 - 1)
+               for seed in trained for g in range(8))  # unchanged: below 2**31
+
+
+def test_on_vllm_evaluation_seeds_sample_tool_continuations(vllm_engine, bike_splits):
+    """vLLM takes the continuation seeds of evaluation's stream (up to 2**63) for the turns after a reply."""
+    from grpo_cli.config import DataConfig
+    from grpo_cli.prompts import render_row
+    from grpo_cli.rollout import sample_seeds
+
+    tokenizer = vllm_engine.tokenizer
+    prompts = [tokenizer(render_row(problem.to_row(), DataConfig(), tokenizer, None), add_special_tokens=False)
+               ["input_ids"] for problem in bike_splits[0][:3]]
+    rollout = RolloutConfig(tools=[ToolSpec(function="calculator")], max_new_tokens=96, max_turns=3,
+                            max_trajectory_tokens=200, tool_result_tags=["", ""])
+    tools = load_tools([ToolSpec(function="calculator", open="subtotal: ", close=" = ", timeout_s=None)])
+    try:
+        seeds = sample_seeds(0, 20, len(prompts), stream=1, group_size=2)
+        out = with_tools(vllm_engine, tools, rollout).generate(prompts, Sampling(2, 1.0, 1.0, 96), seeds)
+        again = with_tools(vllm_engine, tools, rollout).generate(prompts, Sampling(2, 1.0, 1.0, 96), seeds)
+    finally:
+        close_tools(tools)
+    assert tool_metrics(out)["tools/calls_per_sample"] > 0.5  # later turns were sampled, from those seeds
+    assert out.completion_ids == again.completion_ids

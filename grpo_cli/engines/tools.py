@@ -106,10 +106,20 @@ class Trajectory:
         self.turn_text, self.turn_tokens = "", 0
 
 
+# Continuation seeds of the streams above 2**31 (evaluation, dynamic-sampling rounds: rollout.sample_seeds) lie
+# above every stream's slots, in [CONTINUATION_BASE, 2**63): folded below 2**31 as training's are, evaluation's
+# turns after a tool reply drew from training's seeds again (issue 66).
+CONTINUATION_BASE = 2**62 + 2**32
+
+
 def call_seed(prompt_seed: int, sample: int, call: int) -> int:
     """The seed of engine call `call` >= 1 of sample `sample` of a prompt (call 0 samples the whole group
-    from the prompt's own seed)."""
-    return (prompt_seed * 1_000_003 + sample * 7_919 + call * 104_729 + 1) % (2**31 - 1)
+    from the prompt's own seed). Training's (a prompt seed below 2**31) stay below 2**31, where the shipped tool
+    curves were sampled; every other stream's go to a region no stream's first turns use."""
+    mixed = prompt_seed * 1_000_003 + sample * 7_919 + call * 104_729 + 1
+    if prompt_seed < 2**31:
+        return mixed % (2**31 - 1)
+    return CONTINUATION_BASE + mixed % (2**63 - CONTINUATION_BASE)
 
 
 def cut_at_stop(ids: list[int], text: str, stops: list[str], decode: Any) -> tuple[int, str, int] | None:

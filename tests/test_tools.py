@@ -252,6 +252,19 @@ class Ledger:
         return float(any(value == f"{float(self.answer):.2f}" for value in self.subtotals))
 
 
+class ArgLedger(Ledger):
+    """Ledger's tools, and one that reads its argument with argparse (which exits on a bad one)."""
+
+    subtotal, hang, reward = Ledger.subtotal, Ledger.hang, Ledger.reward
+
+    def parse(self, argument):
+        import argparse
+
+        parser = argparse.ArgumentParser(prog="parse")
+        parser.add_argument("--count", type=int, required=True)
+        return str(parser.parse_args(argument.split()).count)  # a bad argument: argparse raises SystemExit
+
+
 class Waiter:
     """A test environment whose one tool takes as long as it is told."""
 
@@ -416,14 +429,14 @@ def test_each_sample_has_its_own_instance_and_a_killed_worker_rebuilds_them_by_r
     a, b = env.new_key(), env.new_key()
     history_a: list = []
     for expression, expected in (("3+4", "#1 7.00"), ("1+1", "#2 2.00")):
-        (text, ok, failure), replay = env.call(a, row, history_a, "subtotal", expression)
+        (text, ok, failure), replay, _ = env.call(a, row, history_a, "subtotal", expression)
         assert (text, ok, failure, replay) == (expected, True, None, "replay")
         history_a.append(("subtotal", expression))
-    assert env.call(b, row, [], "subtotal", "5*5") == (("#1 25.00", True, None), "replay")  # b's own ledger, not a's
-    (text, ok, failure), replay = env.call(b, row, [("subtotal", "5*5")], "hang", "x")
+    assert env.call(b, row, [], "subtotal", "5*5")[:2] == (("#1 25.00", True, None), "replay")  # b's own, not a's
+    (text, ok, failure), replay, _ = env.call(b, row, [("subtotal", "5*5")], "hang", "x")
     assert not ok and "timed out after 2 s" in text and replay == "lost"  # the worker, and a's instance, are gone
     assert failure == "timeout"  # a timeout, as a tool's: it counts toward rollout.max_tool_timeouts (issue 54)
-    assert env.call(a, row, history_a, "subtotal", "0.5+0.5") == (("#3 1.00", True, None), "replay")  # 2 replayed
+    assert env.call(a, row, history_a, "subtotal", "0.5+0.5")[:2] == (("#3 1.00", True, None), "replay")  # replayed
     history_a.append(("subtotal", "0.5+0.5"))
     end = env.end(a, row, history_a)
     assert end.error is None and end.state == {"answer": "7", "subtotals": ["7.00", "2.00", "1.00"]} and end.reward == 1.0
@@ -1155,6 +1168,29 @@ def test_a_workers_start_is_bounded_by_what_is_left_of_the_step_budget(tmp_path,
             worker.close()
 
 
+def test_a_rebuild_cut_by_the_step_budget_counts_as_a_budget_cut():
+    """A rebuild may run (1 + its history) times the environment's limit; cut short by the step's budget it was
+    counted as the tool's timeout, since the pool compared the budget with the single call's limit (issue 66,
+    defect 5)."""
+    from grpo_cli.tools.pool import StepCalls, ToolPool
+
+    subtotal, hang = load_tools([], "tags", environment("Ledger", timeout_s=1.0))
+    env = subtotal.environment
+    row, a, b = {"answer": "7"}, env.new_key(), env.new_key()
+    history = [("subtotal", "1+1"), ("subtotal", "2+2")]
+    try:
+        for i in range(2):
+            assert env.call(a, row, history[:i], *history[i])[0].ok
+        assert env.call(b, row, [], "hang", "x")[1] == "lost"  # a's instance is gone: its next call rebuilds
+        calls = StepCalls(ToolPool(1), budget_s=1.6)  # above the call's 1 s, below the rebuild's 3 s
+        calls.submit("k", hang, "x", (a, row, history))
+        (done,) = calls.take(())
+        assert done.result.failure == "budget" and "budget (1.6 s)" in done.result.text, done.result
+        assert calls.budget_cuts == 1
+    finally:
+        env.close()
+
+
 def test_on_vllm_slow_calls_leave_the_other_samples_decoding_and_change_no_sample(vllm_engine, bike_splits):
     """The subtotal task on the real engine, its calculator 1 s late on half of its arguments: the
     trajectories and the engine's logprobs are those of the prompt calculator, bit for bit (the replies rejoin
@@ -1338,6 +1374,63 @@ def test_a_tool_that_raises_system_exit_fails_its_call_and_never_hangs_the_pool(
             tool.worker.close()
 
 
+def test_a_rebuild_replays_past_a_call_that_raised_systemexit():
+    """A method that exits (argparse on a bad argument) is an ordinary failure that joins the history; a rebuild
+    replaying it let SystemExit escape after the instance was registered: the later calls were not replayed, the
+    instance was half-built and end() lost its reward (issue 66, defect 1)."""
+    subtotal, _, parse = load_tools([], "tags", environment("ArgLedger", timeout_s=2.0))
+    env = subtotal.environment
+    row, a, b = {"answer": "7"}, env.new_key(), env.new_key()
+    history: list = []
+    try:
+        for method, argument in (("subtotal", "3+4"), ("parse", "--count x"), ("subtotal", "1+1")):
+            result, replay, _ = env.call(a, row, history, method, argument)
+            assert replay == "replay" and result.ok == (method == "subtotal"), result
+            history.append((method, argument))
+        assert env.call(b, row, [], "hang", "x")[1] == "lost"  # the worker is killed: a's instance is gone
+        result, replay, limit_s = env.call(a, row, history, "subtotal", "2*2")  # rebuilt: 3 calls replayed
+        assert (result.text, replay, limit_s) == ("#3 4.00", "replay", 2.0 * 4)
+        history.append(("subtotal", "2*2"))
+        end = env.end(a, row, history)
+        assert end.error is None and end.reward == 1.0 and end.state["subtotals"] == ["7.00", "2.00", "4.00"]
+    finally:
+        env.close()
+
+
+def test_lost_or_replayed_is_decided_before_the_lock_is_released():
+    """Whether a failed call's worker was killed was read after the environment's lock was released, so another
+    thread's request could restart the worker in between and turn a lost call into one replayed on every later
+    rebuild (issue 66, defect 2). Here the release itself restarts the worker, as that thread would."""
+    import threading
+
+    _, hang = load_tools([], "tags", environment("Ledger", timeout_s=1.0))
+    env = hang.environment
+    row, key = {"answer": "7"}, env.new_key()
+
+    class RestartOnRelease:
+        def __init__(self):
+            self.inner, self.armed = threading.Lock(), False
+
+        def __enter__(self):
+            self.inner.acquire()
+
+        def __exit__(self, *exc):
+            self.inner.release()
+            if self.armed:  # the next request, on another thread, finds the worker dead and starts a new one
+                self.armed = False
+                env.worker.call([("forget", [])], {})
+
+    env.lock = RestartOnRelease()
+    try:
+        assert env.call(key, row, [], "subtotal", "1+1")[0].ok
+        env.lock.armed = True
+        result, replay, _ = env.call(key, row, [("subtotal", "1+1")], "hang", "x")
+        assert result.failure == "timeout" and env.worker.process is not None  # restarted in between
+        assert replay == "lost"
+    finally:
+        env.close()
+
+
 def test_forget_waits_for_a_call_on_the_environments_worker():
     """A failed generate forgets its instances while pool threads may be mid-call on the environment's one
     worker: forget takes the environment's lock, so the call still gets its own answer (issue 54)."""
@@ -1349,7 +1442,7 @@ def test_forget_waits_for_a_call_on_the_environments_worker():
     try:
         assert env.call(b, row, [], "wait", "0")[0].ok  # the worker is up and holds b
         answers = []
-        caller = threading.Thread(target=lambda: answers.append(env.call(a, row, [], "wait", "0.5")))
+        caller = threading.Thread(target=lambda: answers.append(env.call(a, row, [], "wait", "0.5")[:2]))
         caller.start()
         time.sleep(0.2)  # the call is running in the worker
         env.forget([b])

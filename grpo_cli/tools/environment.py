@@ -71,32 +71,35 @@ class LoadedEnvironment:
         return self.uid, next(self.keys)
 
     def _request(self, key: tuple[int, int], row: dict[str, Any], history: list, method: str,
-                 argument: Any, within_s: float | None = None) -> tuple[str, Any]:
+                 argument: Any, within_s: float | None = None) -> tuple[str, Any, bool, float | None]:
+        """(tag, answer, killed, limit_s): whether the worker was killed by this request (its instances gone) and
+        the time limit the request ran under (a rebuild's covers the replayed calls too), both read under the
+        lock, before another thread's request can restart the worker."""
         columns = row if self.columns is None else {c: row[c] for c in self.columns if c in row}
         request = [(key, self.name, columns, history, method, argument)]
         with self.lock:
             if self.worker is None:
-                return call_in_process(serve_request, request, {})
+                return (*call_in_process(serve_request, request, {}), False, None)
             alive = self.worker.process is not None and self.worker.process.is_alive()
             rebuild = bool(history) and not (alive and self.served.get(key) == self.worker.starts)
             # a worker that lost the instance replays its calls first, each within its own limit
-            result = self.worker.call(request, {}, self.timeout_s * (1 + len(history)) if rebuild else None, within_s)
+            limit_s = self.timeout_s * (1 + len(history)) if rebuild else self.timeout_s
+            tag, out = self.worker.call(request, {}, limit_s if rebuild else None, within_s)
             self.served[key] = self.worker.starts
-            return result
+            return tag, out, tag != "ok" and self.worker.process is None, limit_s
 
     def call(self, key: tuple[int, int], row: dict[str, Any], history: list, method: str,
-             argument: Any, within_s: float | None = None) -> tuple[ToolResult, str]:
+             argument: Any, within_s: float | None = None) -> tuple[ToolResult, str, float | None]:
         """One tool call on trajectory `key`'s instance, within `within_s` (what is left of the step's tool budget,
-        tools.pool) when given: (what the model reads, "replay" | "lost"). "replay": it ran, so a rebuilt
-        instance must see it again (append it to the history); "lost": the worker was killed (the call overran:
-        a "timeout" failure, counted as a tool's), and the call is not replayed."""
-        tag, out = self._request(key, row, history, method, argument, within_s)
-        lost = tag != "ok" and self.worker is not None and self.worker.process is None  # killed: instances gone
-        return result_of(tag, out), "lost" if lost else "replay"
+        tools.pool) when given: (what the model reads, "replay" | "lost", the limit it ran under). "replay": it
+        ran, so a rebuilt instance must see it again (append it to the history); "lost": the worker was killed
+        (the call overran: a "timeout" failure, counted as a tool's), and the call is not replayed."""
+        tag, out, killed, limit_s = self._request(key, row, history, method, argument, within_s)
+        return result_of(tag, out), "lost" if killed else "replay", limit_s
 
     def end(self, key: tuple[int, int], row: dict[str, Any], history: list) -> EnvironmentEnd:
         """The finished trajectory's state and reward; its instance is dropped."""
-        tag, out = self._request(key, row, history, "", None)
+        tag, out, _, _ = self._request(key, row, history, "", None)
         self.served.pop(key, None)
         if tag != "ok":
             return EnvironmentEnd(None, None, f"the environment {out.removeprefix('raised ')}"[:240])
@@ -138,8 +141,8 @@ def serve_request(requests: list, **_: Any) -> list:
         for past_method, past_argument in history:
             try:
                 _invoke(env, past_method, past_argument)
-            except Exception:  # noqa: BLE001 - it raised the first time too, and the model read that
-                pass
+            except (Exception, SystemExit):  # noqa: BLE001 - it failed the first time too (SystemExit included:
+                pass  # an ordinary failure since issue 54), and the model read that; the rest is replayed
     if method:
         return [_invoke(env, method, argument)]
     del _LIVE[key]

@@ -162,8 +162,7 @@ class StepCalls:
         result = ToolResult("error: the tool failed", False)
         try:
             if env_call is not None:
-                result, replay = tool.environment.call(*env_call, tool.name, argument, within_s=left)
-                limit_s = tool.environment.timeout_s
+                result, replay, limit_s = tool.environment.call(*env_call, tool.name, argument, within_s=left)
             elif tool.worker is None:
                 result, limit_s = call_tool(tool, argument), None
             else:

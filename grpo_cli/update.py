@@ -269,4 +269,6 @@ def update(state: RunState, batch: TrainBatch, params: LossParams, cfg: TrainCon
         means["distill/reverse_kl_per_seq"] = sums["distill/reverse_kl"] / max(sequences, 1.0)
     return {"loss": sum(losses) / len(losses) if losses else 0.0, **means,
             "grad_norm": sum(norms) / len(norms) if norms else None,
-            "skipped_nonfinite": skipped, "mismatch/mean_abs_logprob": mismatch_sum / mismatch_tokens if mismatch_tokens else None}
+            "skipped_nonfinite": skipped, "mismatch/mean_abs_logprob": mismatch_sum / mismatch_tokens if mismatch_tokens else None,
+            # how many tokens the metric read: 0 when every group that brought logprobs back left the loss
+            "mismatch/tokens": int(mismatch_tokens)}

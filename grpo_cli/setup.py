@@ -44,7 +44,7 @@ from grpo_cli.lora import with_adapters
 from grpo_cli.optim import build_optimizer
 from grpo_cli.pool import PromptPool, column_values
 from grpo_cli.rewards.load import place_reward_models
-from grpo_cli.runs import step_checkpoints
+from grpo_cli.runs import CHECKPOINTS, step_checkpoints
 from grpo_cli.runtime import cpu_threads, set_threads
 from grpo_cli.served import served_model
 from grpo_cli.state import RunState, Start, Task
@@ -69,12 +69,31 @@ def setup_torch(cfg: TrainerConfig) -> None:
         torch.use_deterministic_algorithms(True)
 
 
-def resume_or_start(cfg: TrainConfig, run_dir: Path, model_path: str) -> Start:
-    """The start point; a resume reads its checkpoint (the CLI resolved resume=DIR|auto to run_dir)."""
-    found = step_checkpoints(run_dir) if cfg.resume else []
-    if not found:  # a new run; resume=auto lands here where the task had no run to continue (cli._resumed_dir)
+def agreed_checkpoint(run_dir: Path, found: list[Path], dist: Dist) -> Path | None:
+    """The checkpoint every trainer rank resumes from: rank 0's newest (its disk decides, as it decided the run
+    directory in the CLI). Each rank must read that same checkpoint on its own disk; where one cannot, every rank
+    fails with one line naming it. A rank that went on from step 0 beside a resumed rank 0 would train other
+    weights, or hang in a collective (issue 66)."""
+    if dist.world_size == 1:
+        return found[-1] if found else None
+    name = dist.broadcast(found[-1].name if found else None)
+    mine = next((p for p in found if p.name == name), None)
+    lacking = [rank for rank, holds in enumerate(dist.gather(name is None or mine is not None)) if not holds]
+    if lacking:
+        ranks = ", ".join(map(str, lacking))
+        raise UsageError(f"resume: rank {ranks} cannot read rank 0's checkpoint {run_dir / CHECKPOINTS / name} "
+                         "on its own disk; every trainer rank reads it: put output_dir on storage the nodes share, "
+                         "or copy the run directory to each trainer node")
+    return mine
+
+
+def resume_or_start(cfg: TrainConfig, run_dir: Path, model_path: str, dist: Dist) -> Start:
+    """The start point; a resume reads its checkpoint (the CLI resolved resume=DIR|auto to run_dir, and every rank
+    resumes from rank 0's checkpoint: `agreed_checkpoint`)."""
+    chosen = agreed_checkpoint(run_dir, step_checkpoints(run_dir) if cfg.resume else [], dist)
+    if chosen is None:  # a new run; resume=auto lands here where the task had no run to continue (cli._resumed_dir)
         return Start(0, model_path, None, cfg.trainer.steps)
-    path = str(found[-1])
+    path = str(chosen)
     if damage := damaged_weights(path):
         raise UsageError(f"resume: {damage}")
     info = read_info(Path(path))  # a complete checkpoint's: list_checkpoints read it already
@@ -100,7 +119,7 @@ def start_run(cfg: TrainConfig, task: Task, run_dir: Path, engine: Engine | None
     prompt pool, with a resumed run's trainer state put back. A given `engine` (one process only)
     takes the start point's weights instead of a new one starting."""
     dist = Dist.init(cfg.trainer.device, trainers=cfg.trainer_ranks if cfg.rollout.placement == "split" else None)
-    start = resume_or_start(cfg, run_dir, task.model_path)
+    start = resume_or_start(cfg, run_dir, task.model_path, dist)
     lora = cfg.model.lora
     if lora.enabled:  # the base, frozen, in model.dtype; the adapters on top (fp32), a resume's from its checkpoint
 

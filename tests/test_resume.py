@@ -424,3 +424,34 @@ def test_pruning_counts_only_complete_checkpoints(tmp_path, tiny_model_dir):
     prune_checkpoints(tmp_path, keep_last=1)
     assert sorted(p.name for p in root.iterdir()) == ["step_000002", "step_000002.old-4242", "step_000003.tmp-4242"]
     assert [p.name for p in step_checkpoints(tmp_path)] == ["step_000002"]
+
+
+class RankOne:
+    """Rank 1 of a two-rank job whose rank 0 decided `decided` (a checkpoint name, or None: a new run)."""
+    rank, world_size = 1, 2
+
+    def __init__(self, decided):
+        self.decided = decided
+
+    def broadcast(self, obj):
+        return self.decided
+
+    def gather(self, obj):
+        return [True, obj]  # rank 0 holds its own choice
+
+
+def test_every_rank_resumes_from_rank_0s_checkpoint_or_all_fail_in_one_line(tmp_path):
+    """A rank decided from its own disk: with resume=auto a trainer rank on a node without the checkpoint started
+    at step 0 from the base weights while rank 0 resumed at step N (issue 66, defect 3)."""
+    from grpo_cli.config import RewardSpec, TrainConfig
+    from grpo_cli.errors import UsageError
+    from grpo_cli.setup import agreed_checkpoint, resume_or_start
+
+    cfg = TrainConfig(task="t", rewards=[RewardSpec(name="correct")], resume="auto")
+    with pytest.raises(UsageError) as info:
+        resume_or_start(cfg, tmp_path, "builtin:bike_base", RankOne("step_000002"))  # this node holds nothing
+    assert str(info.value).startswith(f"resume: rank 1 cannot read rank 0's checkpoint "
+                                      f"{tmp_path / 'checkpoints' / 'step_000002'} on its own disk")
+    mine = [tmp_path / "checkpoints" / f"step_{s:06d}" for s in (1, 2, 3)]  # this node has a newer one too
+    assert agreed_checkpoint(tmp_path, mine, RankOne("step_000002")) == mine[1]
+    assert agreed_checkpoint(tmp_path, mine, RankOne(None)) is None  # rank 0 starts a new run: so does every rank

@@ -263,11 +263,48 @@ def activation_bytes_per_token(shape: dict[str, Any], dtype: str, lora: bool) ->
                                          + per_kv * dims["k_proj"][1])
 
 
+def started_servers(cfg: TrainConfig) -> list[tuple[str, str, float]]:
+    """The vLLM servers grpo starts for the run (server=start): (key, model, KV cache GiB) each. On a GPU each
+    runs on rank 0's (the trainer's) with its memory sized explicitly (served.placement)."""
+    out = [(f"rewards[{i}].server", spec.model or "", spec.server_kv_cache_gib)
+           for i, spec in enumerate(cfg.rewards) if spec.server == "start"]
+    if cfg.distill.server == "start":
+        out.append(("distill.server", cfg.distill.teacher or "", cfg.distill.server_kv_cache_gib))
+    return out
+
+
+def server_lines(cfg: TrainConfig) -> tuple[list[str], float]:
+    """What the started servers hold on rank 0's GPU, throughout the run (weights in model.dtype, their KV cache,
+    vLLM's workspace), and its total in bytes (0 where a model's shape is unknown: its line says so)."""
+    lines, total, gib = [], 0.0, 2**30
+    for key, model, kv_cache_gib in started_servers(cfg):
+        shape = model_shape(model) if model else None
+        if shape is None:
+            lines.append(f"  {key}=start: {model or 'its model'} is not a local model directory; its GPU memory is not "
+                         f"counted (KV cache {kv_cache_gib:g} GiB + its weights + {ENGINE_WORKSPACE_GIB:g} workspace)")
+            continue
+        weights = parameter_count(shape) * DTYPE_BYTES[cfg.model.dtype]
+        held = weights + (kv_cache_gib + ENGINE_WORKSPACE_GIB) * gib
+        total += held
+        lines.append(f"  {key}=start: a vLLM server on rank 0's GPU, {held / gib:.1f} GiB throughout (weights "
+                     f"{weights / gib:.1f}, KV cache {kv_cache_gib:g} ({key}_kv_cache_gib), workspace "
+                     f"{ENGINE_WORKSPACE_GIB:g}); its --gpu-memory-utilization is sized from them")
+    if total:
+        lines.append(f"  rank 0's GPU: the peak above + {total / gib:.1f} GiB of started servers")
+    return lines, total
+
+
 def gpu_lines(cfg: TrainConfig, shape: dict[str, Any] | None, world_size: int) -> list[str]:
     """Each rank's GPU at its two peaks, the trainer and a vLLM engine sharing it: while vLLM generates (the
-    trainer's weights and AdamW state stay) and while the trainer updates (vLLM asleep with sleep mode)."""
+    trainer's weights and AdamW state stay) and while the trainer updates (vLLM asleep with sleep mode); the
+    servers grpo starts beside them on rank 0's."""
     if shape is None or (cfg.model.dtype == "float32" and not cfg.trainer.device.startswith("cuda")):
         return []  # a CPU run
+    return trainer_gpu_lines(cfg, shape, world_size) + server_lines(cfg)[0]
+
+
+def trainer_gpu_lines(cfg: TrainConfig, shape: dict[str, Any], world_size: int) -> list[str]:
+    """gpu_lines without the started servers."""
 
     m, r, t, gib = cfg.model, cfg.rollout, cfg.trainer, 2**30
     dtype_bytes = DTYPE_BYTES[m.dtype]

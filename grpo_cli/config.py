@@ -156,6 +156,7 @@ class RewardSpec:
     parser: str = "score_10"  # judge: its reply -> the score: "score_10" ("7/10", "Score: 7" -> 0.7) | "yes_no" (1 | 0) | a regex whose first group is the number; an unreadable reply fails the sample
     max_tokens: int = 32  # judge: reply tokens at most (greedy)
     server_start_timeout_s: float = 300.0  # server=start: seconds for the server to answer /health
+    server_kv_cache_gib: float = 1.0  # server=start: the server's KV cache, GiB (on a GPU: the trainer's, beside its weights; grpo check counts both)
 
 
 REWARD_TRANSFORMS = ("raw", "sigmoid")  # rewards[i].transform (rewards/model.py)
@@ -172,7 +173,7 @@ def check_reward_spec(spec: RewardSpec, key: str) -> None:
         learned = [k for k in ("label", "clip", "server") if getattr(spec, k) is not None]
         learned += [k for k, default in (("transform", "raw"), ("template", "auto"), ("batch_size", 32),
                                          ("requests_in_flight", 4), ("server_start_timeout_s", 300.0),
-                                         ("parser", "score_10"), ("max_tokens", 32))
+                                         ("server_kv_cache_gib", 1.0), ("parser", "score_10"), ("max_tokens", 32))
                     if getattr(spec, k) != default]
         _require(not learned, f"{key}.{learned[0] if learned else ''}", "is a learned reward's setting; this reward "
                  f"is the function '{spec.name}' (set {key}.model for a reward model, {key}.judge for a judge)")
@@ -186,6 +187,7 @@ def check_reward_spec(spec: RewardSpec, key: str) -> None:
     _require(spec.requests_in_flight >= 1, f"{key}.requests_in_flight", "must be >= 1")
     _require(spec.max_tokens >= 1, f"{key}.max_tokens", "must be >= 1")
     _require(spec.server_start_timeout_s > 0, f"{key}.server_start_timeout_s", "must be > 0")
+    _require(spec.server_kv_cache_gib > 0, f"{key}.server_kv_cache_gib", "must be > 0 GiB")
     _require(spec.server is None or spec.server == "start" or spec.server.startswith(("http://", "https://")),
              f"{key}.server", f"'{spec.server}' is not start or an http(s):// URL")
 
@@ -417,6 +419,7 @@ class DistillConfig:
     coef: float = 1.0  # weight of the per-token reverse KL in the advantage
     server: str | None = None  # a served teacher: "start" (grpo starts a vLLM server on distill.teacher, stopped with the run) | the URL of a vLLM server already serving it; None = the teacher in the trainer's process
     server_start_timeout_s: float = 300.0  # distill.server=start: seconds for the server to answer /health
+    server_kv_cache_gib: float = 1.0  # distill.server=start: the server's KV cache, GiB (on a GPU: the trainer's, beside its weights; grpo check counts both)
     request_timeout_s: float = 60.0  # a served teacher: seconds for one sample's grades (then retried, 3 tries in all)
     requests_in_flight: int = 8  # a served teacher: samples graded at once
 
@@ -431,6 +434,7 @@ class DistillConfig:
         _require(self.requests_in_flight >= 1, "distill.requests_in_flight", "must be >= 1")
         _require(self.request_timeout_s > 0, "distill.request_timeout_s", "must be > 0 seconds")
         _require(self.server_start_timeout_s > 0, "distill.server_start_timeout_s", "must be > 0 seconds")
+        _require(self.server_kv_cache_gib > 0, "distill.server_kv_cache_gib", "must be > 0 GiB")
 
     @property
     def loss_objective(self) -> str:

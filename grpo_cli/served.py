@@ -10,6 +10,7 @@ running its module directly, as `vllm serve` does, in an interpreter that first 
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import socket
@@ -70,18 +71,41 @@ class Server:
                 self.process.wait()
 
 
+def placement(model_path: str, dtype: str, device: Any, kv_cache_gib: float) -> tuple[list[str], dict[str, str]]:
+    """Where a started server runs and what memory it takes, as vLLM arguments and environment variables. On
+    CUDA: the trainer's own GPU (`device`, named to the server by its physical index) and, explicitly, its KV cache
+    and a memory utilization sized from its weights and that cache (vLLM's default would take 0.9 of the GPU the
+    trainer holds); `grpo check` counts the same. On the CPU: the KV cache in host memory."""
+    device = str(device)
+    if not device.startswith("cuda"):
+        return [], {"VLLM_CPU_KVCACHE_SPACE": str(max(1, math.ceil(kv_cache_gib)))}  # whole GiB, host memory
+    import torch
+
+    from grpo_cli.engines.vllm import cuda_engine_memory  # not at the top: this module is read without torch
+
+    index = torch.device(device).index or 0
+    with torch.cuda.device(index):
+        memory = cuda_engine_memory(model_path, dtype, kv_cache_gib)
+    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    physical = visible[index] if index < len(visible) else str(index)  # the trainer's view may be a subset
+    return (["--kv-cache-memory-bytes", str(memory["kv_cache_memory_bytes"]),
+             "--gpu-memory-utilization", f"{memory['gpu_memory_utilization']:.4f}"], {"CUDA_VISIBLE_DEVICES": physical})
+
+
 def start_server(model_path: str, served_name: str, args: list[str], log_path: Path, timeout_s: float,
-                 key: str) -> Server:
+                 key: str, device: Any = "cpu", dtype: str = "float32", kv_cache_gib: float = 1.0) -> Server:
     """A vLLM OpenAI-compatible server on `model_path` (with vLLM's `args`) on a free local port, answering to
-    `served_name`, its output in `log_path`, ready (`/health` answers) within `timeout_s`; else stopped and a
-    RunFailure naming the recipe's `key`, with the log's last lines."""
+    `served_name`, its output in `log_path`, on `device` with a KV cache of `kv_cache_gib` (`placement`), ready
+    (`/health` answers) within `timeout_s`; else stopped and a RunFailure naming the recipe's `key`, with the
+    log's last lines."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    placed_args, placed_env = placement(model_path, dtype, device, kv_cache_gib)
     env = {k: v for k, v in os.environ.items() if k != LAUNCHER_PID_ENV}
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of host memory for the CPU backend's KV cache
+    env.update(placed_env)
     command = [sys.executable, "-c", SERVER_BOOTSTRAP, "--model", model_path, "--served-model-name", served_name,
-               "--host", "127.0.0.1", "--port", str(port), *args]
+               "--host", "127.0.0.1", "--port", str(port), *args, *placed_args]
     log = open(log_path, "ab")  # noqa: SIM115 (the server's, open while it runs)
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     log.close()
@@ -111,8 +135,9 @@ class ServerLink:
     use, in `grpo reward` and `grpo eval`) and stops on `close`."""
 
     def __init__(self, setting: str, model_path: str, key: str, start_args: list[str], start_timeout_s: float,
-                 request_timeout_s: float, served_name: str) -> None:
+                 request_timeout_s: float, served_name: str, kv_cache_gib: float = 1.0) -> None:
         self.setting, self.model_path, self.key, self.start_args = setting, model_path, key, start_args
+        self.kv_cache_gib = kv_cache_gib  # server=start: its KV cache (rewards[i].server_kv_cache_gib)
         self.start_timeout_s, self.request_timeout_s = start_timeout_s, request_timeout_s
         self.started: Server | None = None
         self.url: str | None = None
@@ -123,14 +148,15 @@ class ServerLink:
             self.name = served_model(self.url, f"{key}.server", f"set {key}.server=start to have grpo start one "
                                      f"on {key}.model")
 
-    def ready(self, dtype: str = "float32", log_dir: Any = None) -> str:
-        """The server's URL, started now (in `dtype`, its log in `log_dir`) if this process starts it."""
+    def ready(self, dtype: str = "float32", log_dir: Any = None, device: Any = "cpu") -> str:
+        """The server's URL, started now (on `device`, the trainer's, in `dtype`, its log in `log_dir`) if this
+        process starts it."""
         if self.url is None:
             import tempfile
 
             log = Path(log_dir or tempfile.gettempdir()) / f"{self.key.replace('[', '').replace(']', '')}_server.log"
             self.started = start_server(self.model_path, self.name, ["--dtype", dtype, *self.start_args], log,
-                                        self.start_timeout_s, f"{self.key}.server")
+                                        self.start_timeout_s, f"{self.key}.server", device, dtype, self.kv_cache_gib)
             self.url = self.started.url
         return self.url
 

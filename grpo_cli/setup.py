@@ -172,7 +172,7 @@ def load_teacher(cfg: TrainConfig, task: Task, dist: Dist, run_dir: Path) -> tor
     if d.server == "start" and dist.is_main:
         started = start_server(task.teacher_path, cfg.model.dtype, max_model_len(task.teacher_path, cfg.model),
                                run_dir / "teacher_server.log", d.server_start_timeout_s, d.request_timeout_s,
-                               d.requests_in_flight)
+                               d.requests_in_flight, dist.device, d.server_kv_cache_gib)
     url = dist.broadcast(started.url if started is not None else d.server)
     if started is not None:
         return started

@@ -93,8 +93,11 @@ class ServedTeacher:
 
 
 def start_server(model_path: str, dtype: str, max_model_len: int, log_path: Path, timeout_s: float,
-                 timeout_per_request_s: float, in_flight: int) -> ServedTeacher:
-    """A vLLM server on the teacher (`served.start_server`), ready within `timeout_s`."""
+                 timeout_per_request_s: float, in_flight: int, device: Any = "cpu",
+                 kv_cache_gib: float = 1.0) -> ServedTeacher:
+    """A vLLM server on the teacher (`served.start_server`) on `device` (the trainer's) with a KV cache of
+    `kv_cache_gib`, ready within `timeout_s`."""
     server = start_server_on(model_path, SERVED_NAME, ["--dtype", dtype, "--max-model-len", str(max_model_len),
-                                                       "--enforce-eager"], log_path, timeout_s, "distill.server")
+                                                       "--enforce-eager"], log_path, timeout_s, "distill.server",
+                             device, dtype, kv_cache_gib)
     return ServedTeacher(server.url, SERVED_NAME, timeout_per_request_s, in_flight, server)

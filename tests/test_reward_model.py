@@ -470,5 +470,55 @@ def test_grpo_check_prints_each_learned_reward_and_counts_one_in_process_on_the_
     served = check("recipe=bike_pricing_rm", "rewards.0.server=start")
     assert "served by a vLLM server grpo starts for the run (4 requests at once, 10 s each)" in served
     gpu = check("recipe=bike_pricing_rm", "model.dtype=bfloat16", "rollout.push_check_tol=0.05")
-    assert "reference + reward models" in gpu and "reference + reward models" not in check(
-        "recipe=bike_pricing_rm", "model.dtype=bfloat16", "rollout.push_check_tol=0.05", "rewards.0.server=start")
+    started = check("recipe=bike_pricing_rm", "model.dtype=bfloat16", "rollout.push_check_tol=0.05",
+                    "rewards.0.server=start", "rewards.0.server_kv_cache_gib=3")
+    assert "reference + reward models" in gpu and "reference + reward models" not in started
+    # a started server is counted on rank 0's GPU: it was counted nowhere (issue 66, defect 6)
+    assert ("rewards[0].server=start: a vLLM server on rank 0's GPU, 5.0 GiB throughout (weights 0.0, KV cache 3 "
+            "(rewards[0].server_kv_cache_gib), workspace 2)") in started
+    assert "rank 0's GPU: the peak above + 5.0 GiB of started servers" in started
+
+
+class ExitedServer:
+    """What subprocess.Popen gives start_server here: a server process that exited at once (no GPU here)."""
+    pid, returncode = 0, 1
+
+    def poll(self):
+        return 1
+
+
+@pytest.mark.parametrize("device, visible, expected_env, expected_args", [
+    ("cpu", None, {"VLLM_CPU_KVCACHE_SPACE": "3"}, []),
+    ("cuda:1", None, {"CUDA_VISIBLE_DEVICES": "1"},
+     ["--kv-cache-memory-bytes", str(3 * 2**30), "--gpu-memory-utilization", "0.2500"]),
+    ("cuda:1", "4,6", {"CUDA_VISIBLE_DEVICES": "6"},  # the trainer's cuda:1 is the machine's GPU 6
+     ["--kv-cache-memory-bytes", str(3 * 2**30), "--gpu-memory-utilization", "0.2500"]),
+])
+def test_a_started_server_runs_on_the_trainers_device_with_its_memory_named(tmp_path, monkeypatch, device, visible,
+                                                                              expected_env, expected_args):
+    """server=start gave vLLM neither a device nor a memory fraction: on a GPU it took 0.9 of the GPU the trainer
+    holds (issue 66, defect 6). Its command line and environment, with CUDA's answers mocked (no GPU here)."""
+    import contextlib
+
+    import torch
+
+    import grpo_cli.engines.vllm
+    from grpo_cli import served
+    from grpo_cli.errors import RunFailure
+
+    started = []
+    monkeypatch.setattr(served.subprocess, "Popen", lambda command, **kw: started.append((command, kw["env"]))
+                        or ExitedServer())
+    monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
+    monkeypatch.setattr(grpo_cli.engines.vllm, "cuda_engine_memory", lambda path, dtype, kv_gib: {
+        "kv_cache_memory_bytes": int(kv_gib * 2**30), "gpu_memory_utilization": 0.25})
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    with pytest.raises(RunFailure, match="rewards.0.server=start: the vLLM server on /m exited with 1"):
+        served.start_server("/m", "rm", ["--dtype", "bfloat16"], tmp_path / "log", 5.0, "rewards.0.server", device,
+                            "bfloat16", 3.0)
+    [(command, env)] = started
+    assert command[command.index("--dtype"):] == ["--dtype", "bfloat16", *expected_args]
+    assert {k: env[k] for k in expected_env} == expected_env

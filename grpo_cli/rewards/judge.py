@@ -155,14 +155,15 @@ class Judge:
         self.max_tokens, self.batch_size, self.in_flight = spec.max_tokens, spec.batch_size, spec.requests_in_flight
         self.server = ServerLink(spec.server, path or "", key, ["--max-model-len", str(max_model_len),
                                                                 "--enforce-eager"],
-                                 spec.server_start_timeout_s, spec.timeout_s or 60.0, SERVED_NAME)
+                                 spec.server_start_timeout_s, spec.timeout_s or 60.0, SERVED_NAME,
+                                 spec.server_kv_cache_gib)
         self.context = JudgeContext(self.server, self.chat, self.max_tokens)
-        self.dtype = "float32"
+        self.dtype, self.device = "float32", "cpu"  # until the run places it (grpo reward: here, on the CPU's terms)
 
     def place(self, device: Any, dtype: str, log_dir: Any = None) -> None:
-        """With server=start, the server started now in `dtype` (its log in `log_dir`)."""
-        self.dtype = dtype
-        self.server.ready(dtype, log_dir)
+        """With server=start, the server started now on `device` (the trainer's) in `dtype` (its log in `log_dir`)."""
+        self.dtype, self.device = dtype, device
+        self.server.ready(dtype, log_dir, device)
 
     def close(self) -> None:
         self.server.close()
@@ -173,7 +174,7 @@ class Judge:
             raise ValueError("the judge's template reads {prompt}, and no prompt was given")
         values = [{"completion": c, **({"prompt": prompt[i]} if prompt is not None else {}),
                    **{k: columns[k][i] for k in self.needed_columns}} for i, c in enumerate(completions)]
-        self.server.ready(self.dtype)
+        self.server.ready(self.dtype, device=self.device)
         return [self.context.fitted(self.template, v) for v in values]
 
     def replies(self, texts: list[str]) -> list[str]:

@@ -84,7 +84,7 @@ class RewardModel:
         self.server = None if spec.server is None else ServerLink(
             spec.server, self.path, key, ["--runner", "pooling", "--max-model-len", str(self.max_tokens),
                                           "--enforce-eager"], spec.server_start_timeout_s, spec.timeout_s or 60.0,
-            SERVED_NAME)
+            SERVED_NAME, spec.server_kv_cache_gib)
         self.in_flight = spec.requests_in_flight
 
     def place(self, device: Any, dtype: str, log_dir: Any = None) -> None:
@@ -95,7 +95,7 @@ class RewardModel:
             self.model = None
             self._load()
         else:
-            self.server.ready(dtype, log_dir)
+            self.server.ready(dtype, log_dir, device)
 
     def close(self) -> None:
         """Stop the server this process started (none in process, or given by URL)."""

@@ -129,6 +129,21 @@ def start_server(model_path: str, served_name: str, args: list[str], log_path: P
 REQUEST_TRIES = 3  # a request that fails (connection, 5xx, timeout) is sent this many times in all
 
 
+def ask(url: str, body: dict[str, Any], timeout_s: float, tries: int, what: str,
+        read: Callable[[Any], Any] = lambda answer: answer) -> Any:
+    """The one retry rule of every served model (a reward model, a judge, a teacher): `body` posted to `url` up to
+    `tries` times, each within `timeout_s`; a refused connection, a timeout, an HTTP error or an answer `read`
+    cannot make sense of is a failed try. After the last, `Unreachable`: "WHAT failed N times (Error: ...)"; the
+    caller decides what that costs (a reward's samples fail, a teacher's run stops)."""
+    last: Exception | None = None
+    for _ in range(tries):
+        try:
+            return read(post_json(url, body, timeout_s))
+        except (OSError, ValueError, KeyError, IndexError, TypeError) as e:  # URLError and timeouts are OSErrors
+            last = e
+    raise Unreachable(f"{what} failed {tries} time{'s' if tries > 1 else ''} ({type(last).__name__}: {last})")
+
+
 class ServerLink:
     """A learned reward's server (rewards[i].server): a URL the user runs, checked when the reward loads, or
     `start`, a server on the reward's model that this process starts when the run places the reward (or on first
@@ -181,17 +196,14 @@ class ServerLink:
         costs a step at most REQUEST_TRIES + 2 timeouts, a dead one three refused connections."""
         url = self.ready()
         tries = 1 if self.failing else REQUEST_TRIES  # a server that just failed gets one try, until it answers
-        last: Exception | None = None
-        for _ in range(tries):
-            try:
-                answer = post_json(f"{url}{path}", {"model": self.name, **body}, self.request_timeout_s)
-                self.failing = False
-                return answer
-            except (OSError, ValueError) as e:  # URLError and timeouts are OSErrors
-                last = e
-        self.failing = True
-        raise Unreachable(f"{self.key}.server at {url} failed {tries} time{'s' if tries > 1 else ''} "
-                          f"({type(last).__name__}: {last})")
+        try:
+            answer = ask(f"{url}{path}", {"model": self.name, **body}, self.request_timeout_s, tries,
+                         f"{self.key}.server at {url}")
+        except Unreachable:
+            self.failing = True
+            raise
+        self.failing = False
+        return answer
 
     def close(self) -> None:
         """Stop the server this process started; one given by URL is the user's and keeps running."""

@@ -7,7 +7,8 @@ token and `prompt_logprobs=0`: vLLM returns the logprob of every token of the te
 completion's positions are the teacher's grades. Those prompt logprobs are of the untempered distribution,
 so a served teacher needs `rollout.temperature=1` (config.py refuses the rest).
 
-The requests run `distill.requests_in_flight` at a time; one that fails is retried `REQUEST_TRIES` times, then
+The requests run `distill.requests_in_flight` at a time; one that fails is tried `REQUEST_TRIES` times in all (the rule
+of every served model, `served.ask`), then
 the step fails with one line naming the server: a teacher's grade is part of the loss, never a default.
 """
 
@@ -18,8 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from grpo_cli.errors import RunFailure
-from grpo_cli.served import REQUEST_TRIES, Server, post_json
+from grpo_cli.errors import RunFailure, Unreachable
+from grpo_cli.served import REQUEST_TRIES, Server, ask
 from grpo_cli.served import start_server as start_server_on
 
 if TYPE_CHECKING:
@@ -54,15 +55,12 @@ class ServedTeacher:
         """[len(sequence) - start] the teacher's logprob of each completion token of one sample."""
         body = {"model": self.model, "prompt": sequence, "max_tokens": 1, "echo": True, "prompt_logprobs": 0,
                 "temperature": 1.0}
-        last: Exception | None = None
-        for _ in range(REQUEST_TRIES):
-            try:
-                return completion_grades(post_json(f"{self.url}/v1/completions", body, self.timeout_s)["choices"][0],
-                                         sequence, start)
-            except (OSError, ValueError, KeyError, IndexError, TypeError) as e:  # URLError and timeouts are OSErrors
-                last = e
-        raise RunFailure(f"distill.server: the teacher at {self.url} failed {REQUEST_TRIES} times on one sample "
-                         f"({type(last).__name__}: {last})")
+        try:  # served.ask: the retry rule every served model shares; an answer it cannot read is a failed try too
+            return ask(f"{self.url}/v1/completions", body, self.timeout_s, REQUEST_TRIES,
+                       f"distill.server: the teacher at {self.url}, on one sample,",
+                       read=lambda answer: completion_grades(answer["choices"][0], sequence, start))
+        except Unreachable as e:  # a teacher cannot be skipped as a reward can: the run stops, in one line
+            raise RunFailure(str(e)) from None
 
     def grades(self, batch: Any) -> list[torch.Tensor]:
         """Every micro-batch's [b, Tc] teacher logprobs (0 on padding), in `batch.micro_batches` order. `batch` is a

@@ -522,3 +522,49 @@ def test_a_started_server_runs_on_the_trainers_device_with_its_memory_named(tmp_
     [(command, env)] = started
     assert command[command.index("--dtype"):] == ["--dtype", "bfloat16", *expected_args]
     assert {k: env[k] for k in expected_env} == expected_env
+
+
+def test_every_served_model_retries_by_one_rule_and_a_teacher_stops_the_run(tmp_path):
+    """One retry loop for every served model (issue 66): a refused try, an HTTP error and an unreadable answer
+    each cost a try; a reward's server then fails its samples (Unreachable), a teacher's stops the run."""
+    import http.server
+    import json
+    import threading
+
+    from grpo_cli.errors import RunFailure, Unreachable
+    from grpo_cli.served import ask
+    from grpo_cli.teacher import ServedTeacher
+
+    answers = []  # what the server says next: an HTTP status, or a JSON body
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - http.server's name
+            self.rfile.read(int(self.headers["Content-Length"]))
+            reply = answers.pop(0)
+            if isinstance(reply, int):
+                self.send_error(reply)
+                return
+            data = json.dumps(reply).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        answers[:] = [500, {"not": "it"}, {"score": 1}]
+        assert ask(url, {}, 5.0, 3, "x", read=lambda a: a["score"]) == 1  # two failed tries, then an answer
+        answers[:] = [503, 503]
+        with pytest.raises(Unreachable, match=r"^rewards\[0\].server failed 2 times \(HTTPError: HTTP Error 503"):
+            ask(url, {}, 5.0, 2, "rewards[0].server")
+        answers[:] = [{"choices": []}] * 3  # readable JSON the teacher cannot read grades from
+        with pytest.raises(RunFailure, match=rf"^distill.server: the teacher at {url}, on one sample, failed 3 times "
+                                             r"\(IndexError"):
+            ServedTeacher(url, "teacher", 5.0, 1).grade([1, 2, 3], 1)
+    finally:
+        server.shutdown()

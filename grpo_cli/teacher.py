@@ -7,9 +7,9 @@ token and `prompt_logprobs=0`: vLLM returns the logprob of every token of the te
 completion's positions are the teacher's grades. Those prompt logprobs are of the untempered distribution,
 so a served teacher needs `rollout.temperature=1` (config.py refuses the rest).
 
-The requests run `distill.requests_in_flight` at a time; one that fails is tried `REQUEST_TRIES` times in all (the rule
-of every served model, `served.ask`), then
-the step fails with one line naming the server: a teacher's grade is part of the loss, never a default.
+The requests run `distill.requests_in_flight` at a time; one that fails is tried `REQUEST_TRIES` times in all (the
+rule of every served model, `served.ask`), then the step fails with one line naming the server: a teacher's grade is
+part of the loss, never a default.
 """
 
 from __future__ import annotations

@@ -980,3 +980,21 @@ def test_a_stray_cgroup_name_does_not_stop_calls():
         assert run("print('still answers')") == ("still answers", True)
     finally:
         stray.rmdir()
+
+
+def test_one_sweeper_removes_the_folders_of_dead_processes_only(tmp_path):
+    """sandbox.sweep_stale is the one sweeper of per-process folders (a call's cgroup, a `sandbox: none` home;
+    issue 66): a folder whose creator is gone goes, one of a live process or of this one stays."""
+    import shutil
+
+    from grpo_cli.tools import sandbox
+
+    dead = next(pid for pid in range(4_000_000, 4_100_000) if not Path(f"/proc/{pid}").exists())
+    names = {"dead": f"grpo-python-{dead}-ab", "mine": f"grpo-python-{os.getpid()}-cd", "init": "grpo-python-1-ef",
+             "other": f"grpo-sandbox-{dead}-1"}
+    for name in names.values():
+        (tmp_path / name / "inside").mkdir(parents=True)
+    sandbox.sweep_stale(tmp_path, "grpo-python-", shutil.rmtree)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(v for k, v in names.items() if k != "dead")
+    sandbox.sweep_stale(tmp_path, "grpo-sandbox-", Path.rmdir)  # rmdir fails on a folder with files: left for later
+    assert (tmp_path / names["other"]).is_dir()

@@ -97,13 +97,10 @@ HOME_PREFIX = "grpo-python-"  # `sandbox: none`'s home folders: grpo-python-PID-
 
 def _sweep_homes() -> None:
     """Remove the home folders of `sandbox: none` calls whose process is gone (a tool worker killed on its
-    timeout mid-call leaves its folder and what the code wrote there)."""
+    timeout mid-call leaves its folder and what the code wrote there): sandbox.sweep_stale, the one sweeper."""
     import shutil
 
-    for folder in Path(tempfile.gettempdir()).glob(f"{HOME_PREFIX}*-*"):
-        pid = folder.name[len(HOME_PREFIX):].split("-")[0]
-        if pid.isdigit() and int(pid) != os.getpid() and not Path(f"/proc/{pid}").exists():
-            shutil.rmtree(folder, ignore_errors=True)
+    sandbox.sweep_stale(Path(tempfile.gettempdir()), HOME_PREFIX, lambda d: shutil.rmtree(d, ignore_errors=True))
 
 
 def _run_bare(program: list[str]) -> tuple[int | None, bytes, bool]:

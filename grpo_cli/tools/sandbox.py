@@ -356,16 +356,25 @@ def _v2_mount() -> Path | None:
     return None
 
 
-def _remove_orphans(parent: Path) -> None:
-    """Empty call cgroups left by a process that died mid-call (a tool worker killed on its timeout): their
-    names carry the creator's pid."""
-    for d in parent.glob("grpo-sandbox-*"):
-        pid = d.name.split("-")[2]
+def sweep_stale(parent: Path, prefix: str, remove: Callable[[Path], Any]) -> None:
+    """The one sweeper of per-process folders: `parent`'s entries named `{prefix}PID-...` whose creating process is
+    gone (a tool worker killed on its timeout mid-call), removed with `remove` (a call's cgroup: rmdir, once its
+    processes are gone; a `sandbox: none` home: rmtree). One that fails is left to the next sweep."""
+    for d in parent.glob(f"{prefix}*-*"):
+        pid = d.name[len(prefix):].split("-")[0]
         if pid.isdigit() and int(pid) != os.getpid() and not Path(f"/proc/{pid}").exists():  # not ours: left
             try:
-                d.rmdir()
+                remove(d)
             except OSError:
                 pass
+
+
+CGROUP_PREFIX = "grpo-sandbox-"  # a call's cgroup: grpo-sandbox-PID-NS
+
+
+def _remove_orphans(parent: Path) -> None:
+    """Empty call cgroups left by a process that died mid-call: their names carry the creator's pid."""
+    sweep_stale(parent, CGROUP_PREFIX, Path.rmdir)
 
 
 CONTROLLERS = ("memory", "pids", "cpu")  # what a call's cgroup limits: its memory, its processes, its CPU share
@@ -394,7 +403,7 @@ class CallGroup:
     and cpu hierarchies (v1)."""
 
     def __init__(self, limits: Limits):
-        name = f"grpo-sandbox-{os.getpid()}-{time.monotonic_ns()}"
+        name = f"{CGROUP_PREFIX}{os.getpid()}-{time.monotonic_ns()}"
         self.version, parents = _cgroup_parents()
         self.by_controller = {c: parent / name for c, parent in parents.items()}
         self.dirs = list(dict.fromkeys(self.by_controller.values()))

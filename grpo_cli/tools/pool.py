@@ -1,6 +1,8 @@
-"""The one home of a tool call's rules: where it runs, its budget and time limits, and when its result rejoins
-decoding (issue 36, issue 54, docs/tools.md). What the model reads of an answer, and what counts as a timeout,
-is `tools.result.result_of`, the one function the pool's calls and an environment's share.
+"""Where a tool call runs, the step's tool budget, and when its result rejoins decoding (issue 36, issue 54,
+docs/tools.md). Its other rules live beside it, not here yet: what the model reads of an answer and what counts
+as a timeout (`tools.result.result_of`, shared with the environments), a worker's start and call limits and its
+kill (rewards/worker.py, tools/sandbox.py for a sandboxed one), an environment's rebuild (tools/environment.py),
+and the cut of a trajectory after `rollout.max_tool_timeouts` (engines/tools.py).
 
 The engine loop never runs a tool. `ToolEngine` hands each call to `StepCalls.submit`, which queues it on
 the pool; a thread runs it (a tool with a time limit in a worker process of its own, one per thread, so

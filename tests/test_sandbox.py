@@ -998,3 +998,25 @@ def test_one_sweeper_removes_the_folders_of_dead_processes_only(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(v for k, v in names.items() if k != "dead")
     sandbox.sweep_stale(tmp_path, "grpo-sandbox-", Path.rmdir)  # rmdir fails on a folder with files: left for later
     assert (tmp_path / names["other"]).is_dir()
+
+
+def test_a_failed_trial_is_tried_again_and_a_passed_one_kept(monkeypatch):
+    """problem() cached its first answer for the process's life, a failure too: one cgroup write refused for a
+    moment (seen with two test workers side by side) failed every later tool load closed."""
+    calls = []
+    real_run = sandbox.run
+
+    def glitch_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise PermissionError(13, "Permission denied", "cgroup.procs")
+        return real_run(*args, **kwargs)
+
+    sandbox.problem.cache_clear()
+    monkeypatch.setattr(sandbox, "run", glitch_once)
+    try:
+        assert sandbox.problem().startswith("cannot make the call's uid lease or cgroup")
+        assert sandbox.problem() is None and sandbox.problem() is None
+        assert len(calls) == 2  # the failure was tried again; the pass is kept
+    finally:
+        monkeypatch.undo()

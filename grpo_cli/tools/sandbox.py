@@ -608,10 +608,26 @@ def settle() -> None:
     _SWEEPS.join()
 
 
-@functools.cache
+_TRIAL_PASSED: list[bool] = []  # a trial call ran in the sandbox in this process: it holds here
+
+
 def problem() -> str | None:
     """Why the sandbox cannot be made on this machine, in one line; None when a trial call runs in it as the
-    unprivileged uid it should, under the seccomp filter."""
+    unprivileged uid it should, under the seccomp filter. A pass is kept for the process's life; a failure is not:
+    the next caller tries again, so a passing glitch (a cgroup write refused for a moment) cannot fail every later
+    tool load of a long process closed."""
+    if _TRIAL_PASSED:
+        return None
+    why = _trial_problem()
+    if why is None:
+        _TRIAL_PASSED.append(True)
+    return why
+
+
+problem.cache_clear = _TRIAL_PASSED.clear  # forget a pass (tests that take a part of the machine away)
+
+
+def _trial_problem() -> str | None:
     if shutil.which("bwrap") is None:
         return "bwrap (bubblewrap) is not on PATH; `make install` installs it on Debian and Ubuntu"
     try:

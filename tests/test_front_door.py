@@ -334,6 +334,9 @@ def test_the_readme_states_the_default_runs_figures_as_docs_figures_does():
     readme = " ".join((REPO / "README.md").read_text().split())
     assert (f"{steps} steps of {prompts} prompts x {group} samples" in readme and f"({step_s} s a step)" in readme
             and f"held-out pass@1 from {start} to {end}" in readme), (steps, step_s, start, end)
+    _, _, _, _, wall, _, _, start, end = rows["bike_pricing_tools"]  # README's tool table: the same run
+    assert f"one sample each at T=1 ({wall.strip()})" in readme, wall
+    assert re.search(rf"\| sampled pass@1 \| {start} \|[^\n]*\| {end} \|", readme), (start, end)
 
 
 def test_the_figures_script_reads_a_run(tmp_path):

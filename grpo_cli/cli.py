@@ -235,7 +235,7 @@ def _suggest(key: str, keys: list[str]) -> str:
     same_leaf = [k for k in keys if k.rsplit(".", 1)[-1] == leaf]
     if len(same_leaf) == 1 and same_leaf[0] != key:
         return f" (did you mean '{same_leaf[0]}'?)"
-    return f" (did you mean '{close[0]}'?)" if close else ""
+    return _did_you_mean(key, keys)
 
 
 def _field_type(schema: type, dotted: str) -> Any:

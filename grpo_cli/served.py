@@ -20,7 +20,7 @@ import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from grpo_cli.errors import RunFailure, Unreachable, UsageError
 
@@ -71,17 +71,27 @@ class Server:
                 self.process.wait()
 
 
-def placement(model_path: str, dtype: str, device: Any, kv_cache_gib: float) -> tuple[list[str], dict[str, str]]:
+class Placement(NamedTuple):
+    """Where a server grpo starts runs and what it holds: the trainer's device, the weights' dtype, its KV cache."""
+    device: Any = "cpu"
+    dtype: str = "float32"
+    kv_cache_gib: float = 1.0
+
+
+ON_THE_CPU = Placement()  # a server of `grpo reward` and `grpo eval`, or of a CPU run
+
+
+def placement(model_path: str, where: Placement) -> tuple[list[str], dict[str, str]]:
     """Where a started server runs and what memory it takes, as vLLM arguments and environment variables. On
     CUDA: the trainer's own GPU (`device`, named to the server by its physical index) and, explicitly, its KV cache
     and a memory utilization sized from its weights and that cache (vLLM's default would take 0.9 of the GPU the
     trainer holds); `grpo check` counts the same. On the CPU: the KV cache in host memory."""
-    device = str(device)
+    device, dtype, kv_cache_gib = str(where.device), where.dtype, where.kv_cache_gib
     if not device.startswith("cuda"):
         return [], {"VLLM_CPU_KVCACHE_SPACE": str(max(1, math.ceil(kv_cache_gib)))}  # whole GiB, host memory
     import torch
 
-    from grpo_cli.engines.vllm import cuda_engine_memory  # not at the top: this module is read without torch
+    from grpo_cli.engines.options import cuda_engine_memory  # not at the top: served is read by the rewards
 
     index = torch.device(device).index or 0
     with torch.cuda.device(index):
@@ -93,15 +103,15 @@ def placement(model_path: str, dtype: str, device: Any, kv_cache_gib: float) -> 
 
 
 def start_server(model_path: str, served_name: str, args: list[str], log_path: Path, timeout_s: float,
-                 key: str, device: Any = "cpu", dtype: str = "float32", kv_cache_gib: float = 1.0) -> Server:
+                 key: str, where: Placement = ON_THE_CPU) -> Server:
     """A vLLM OpenAI-compatible server on `model_path` (with vLLM's `args`) on a free local port, answering to
-    `served_name`, its output in `log_path`, on `device` with a KV cache of `kv_cache_gib` (`placement`), ready
+    `served_name`, its output in `log_path`, placed `where` says (`placement`), ready
     (`/health` answers) within `timeout_s`; else stopped and a RunFailure naming the recipe's `key`, with the
     log's last lines."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    placed_args, placed_env = placement(model_path, dtype, device, kv_cache_gib)
+    placed_args, placed_env = placement(model_path, where)
     env = {k: v for k, v in os.environ.items() if k != LAUNCHER_PID_ENV}
     env.update(placed_env)
     command = [sys.executable, "-c", SERVER_BOOTSTRAP, "--model", model_path, "--served-model-name", served_name,
@@ -171,7 +181,8 @@ class ServerLink:
 
             log = Path(log_dir or tempfile.gettempdir()) / f"{self.key.replace('[', '').replace(']', '')}_server.log"
             self.started = start_server(self.model_path, self.name, ["--dtype", dtype, *self.start_args], log,
-                                        self.start_timeout_s, f"{self.key}.server", device, dtype, self.kv_cache_gib)
+                                        self.start_timeout_s, f"{self.key}.server",
+                                        Placement(device, dtype, self.kv_cache_gib))
             self.url = self.started.url
         return self.url
 

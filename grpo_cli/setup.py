@@ -46,7 +46,7 @@ from grpo_cli.pool import PromptPool, column_values
 from grpo_cli.rewards.load import place_reward_models
 from grpo_cli.runs import CHECKPOINTS, step_checkpoints
 from grpo_cli.runtime import cpu_threads, set_threads
-from grpo_cli.served import served_model
+from grpo_cli.served import Placement, served_model
 from grpo_cli.state import RunState, Start, Task
 from grpo_cli.sync import push
 from grpo_cli.teacher import START_HINT, ServedTeacher, start_server
@@ -170,9 +170,9 @@ def load_teacher(cfg: TrainConfig, task: Task, dist: Dist, run_dir: Path) -> tor
                            .requires_grad_(False), dist, cfg.dist.reshard_layers)
     started = None
     if d.server == "start" and dist.is_main:
-        started = start_server(task.teacher_path, cfg.model.dtype, max_model_len(task.teacher_path, cfg.model),
-                               run_dir / "teacher_server.log", d.server_start_timeout_s, d.request_timeout_s,
-                               d.requests_in_flight, dist.device, d.server_kv_cache_gib)
+        started = start_server(task.teacher_path, Placement(dist.device, cfg.model.dtype, d.server_kv_cache_gib),
+                               max_model_len(task.teacher_path, cfg.model), run_dir / "teacher_server.log",
+                               d.server_start_timeout_s, d.request_timeout_s, d.requests_in_flight)
     url = dist.broadcast(started.url if started is not None else d.server)
     if started is not None:
         return started

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from grpo_cli.errors import RunFailure, Unreachable
-from grpo_cli.served import REQUEST_TRIES, Server, ask
+from grpo_cli.served import REQUEST_TRIES, Placement, Server, ask
 from grpo_cli.served import start_server as start_server_on
 
 if TYPE_CHECKING:
@@ -90,12 +90,10 @@ class ServedTeacher:
         self.server = None
 
 
-def start_server(model_path: str, dtype: str, max_model_len: int, log_path: Path, timeout_s: float,
-                 timeout_per_request_s: float, in_flight: int, device: Any = "cpu",
-                 kv_cache_gib: float = 1.0) -> ServedTeacher:
-    """A vLLM server on the teacher (`served.start_server`) on `device` (the trainer's) with a KV cache of
-    `kv_cache_gib`, ready within `timeout_s`."""
-    server = start_server_on(model_path, SERVED_NAME, ["--dtype", dtype, "--max-model-len", str(max_model_len),
-                                                       "--enforce-eager"], log_path, timeout_s, "distill.server",
-                             device, dtype, kv_cache_gib)
+def start_server(model_path: str, where: Placement, max_model_len: int, log_path: Path, timeout_s: float,
+                 timeout_per_request_s: float, in_flight: int) -> ServedTeacher:
+    """A vLLM server on the teacher (`served.start_server`), placed `where` says (the trainer's device, the
+    weights' dtype, its KV cache), ready within `timeout_s`."""
+    server = start_server_on(model_path, SERVED_NAME, ["--dtype", where.dtype, "--max-model-len", str(max_model_len),
+                                                       "--enforce-eager"], log_path, timeout_s, "distill.server", where)
     return ServedTeacher(server.url, SERVED_NAME, timeout_per_request_s, in_flight, server)

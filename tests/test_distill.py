@@ -174,11 +174,12 @@ def test_a_teacher_served_by_a_real_vllm_server_grades_as_the_teacher_in_process
     from grpo_cli.batch import TrainBatch
     from grpo_cli.checkpoint import load_policy, resolve_model_path
     from grpo_cli.dist import Dist
+    from grpo_cli.served import Placement
     from grpo_cli.teacher import start_server
     from grpo_cli.update import batch_logprobs, loss_params
 
     path = resolve_model_path("builtin:bike_base")
-    served = start_server(path, "float32", 512, tmp_path / "server.log", 300, 60, 4)
+    served = start_server(path, Placement("cpu", "float32", 1.0), 512, tmp_path / "server.log", 300, 60, 4)
     try:
         cfg = loop_cfg(3, micro_batch_size=5)
         groups = synthetic_groups()  # token ids < 40: any of them is a token of the shipped 512-token vocabulary

@@ -235,8 +235,7 @@ def test_a_second_gpu_for_the_vllm_engine_is_refused_with_the_setting_that_works
 def test_the_engine_asks_a_shared_gpu_for_its_weights_cache_and_workspace_only():
     """vLLM refuses to start unless free memory >= gpu_memory_utilization x the device; with the KV cache
     sized by rollout.kv_cache_gib the engine asks for what it uses, and says in one line when that does not fit."""
-    from grpo_cli.engines.options import ENGINE_WORKSPACE_GIB, engine_utilization
-    from grpo_cli.engines.vllm import weight_bytes
+    from grpo_cli.engines.options import ENGINE_WORKSPACE_GIB, engine_utilization, weight_bytes
     from grpo_cli.errors import UsageError
 
     gib = 2**30
@@ -256,8 +255,8 @@ def test_on_cuda_the_kv_cache_is_sized_explicitly_unless_a_utilization_is_given(
     import vllm
 
     from grpo_cli.config import ModelConfig, RolloutConfig
-    from grpo_cli.engines.options import ENGINE_WORKSPACE_GIB
-    from grpo_cli.engines.vllm import VLLMEngine, weight_bytes
+    from grpo_cli.engines.options import ENGINE_WORKSPACE_GIB, weight_bytes
+    from grpo_cli.engines.vllm import VLLMEngine
 
     seen = {}
 

@@ -181,3 +181,20 @@ def test_every_subpackage_ships_in_the_wheel():
     folders = {p.parent for p in PACKAGE.rglob("*.py")}  # a folder of modules without __init__.py is no package
     assert all((f / "__init__.py").is_file() for f in folders), sorted(str(f) for f in folders
                                                                       if not (f / "__init__.py").is_file())
+
+
+def test_one_worker_protocol():
+    """A worker's call protocol (start and call limits, the kill on a timeout, the failure kinds) is written once,
+    in rewards.worker.Worker; the process-launching classes supply a transport only (issue 66: RewardWorker and
+    the sandbox's worker were two implementations of it)."""
+    from grpo_cli.rewards.worker import RewardWorker, Worker
+    from grpo_cli.tools.sandbox import SandboxedWorker
+
+    transports = {RewardWorker, SandboxedWorker}
+    assert all(issubclass(cls, Worker) for cls in transports)
+    for cls in transports:
+        assert "call" not in vars(cls) and {"_launch", "_exchange", "alive", "_stop"} <= set(vars(cls)), cls
+    launching = [cls.name for path in PACKAGE.rglob("*.py") for cls in ast.walk(ast.parse(path.read_text()))
+                 if isinstance(cls, ast.ClassDef) and cls.name != "Worker"
+                 and any(isinstance(f, ast.FunctionDef) and f.name == "_launch" for f in cls.body)]
+    assert sorted(launching) == ["RewardWorker", "SandboxedWorker"]  # no third worker beside them

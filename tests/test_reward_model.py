@@ -177,7 +177,7 @@ def test_at_two_ranks_rank_0_starts_the_one_reward_server_and_both_ranks_use_it(
         def stop(self):
             stopped.append(self.url)
 
-    def start_server(model_path, name, args, log, timeout_s, key):
+    def start_server(model_path, name, args, log, timeout_s, key, where):
         started.append((model_path, key, str(log.parent)))
         return Started()
 
@@ -502,7 +502,7 @@ def test_a_started_server_runs_on_the_trainers_device_with_its_memory_named(tmp_
 
     import torch
 
-    import grpo_cli.engines.vllm
+    import grpo_cli.engines.options
     from grpo_cli import served
     from grpo_cli.errors import RunFailure
 
@@ -510,15 +510,15 @@ def test_a_started_server_runs_on_the_trainers_device_with_its_memory_named(tmp_
     monkeypatch.setattr(served.subprocess, "Popen", lambda command, **kw: started.append((command, kw["env"]))
                         or ExitedServer())
     monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
-    monkeypatch.setattr(grpo_cli.engines.vllm, "cuda_engine_memory", lambda path, dtype, kv_gib: {
+    monkeypatch.setattr(grpo_cli.engines.options, "cuda_engine_memory", lambda path, dtype, kv_gib: {
         "kv_cache_memory_bytes": int(kv_gib * 2**30), "gpu_memory_utilization": 0.25})
     if visible is None:
         monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     else:
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
     with pytest.raises(RunFailure, match="rewards.0.server=start: the vLLM server on /m exited with 1"):
-        served.start_server("/m", "rm", ["--dtype", "bfloat16"], tmp_path / "log", 5.0, "rewards.0.server", device,
-                            "bfloat16", 3.0)
+        served.start_server("/m", "rm", ["--dtype", "bfloat16"], tmp_path / "log", 5.0, "rewards.0.server",
+                            served.Placement(device, "bfloat16", 3.0))
     [(command, env)] = started
     assert command[command.index("--dtype"):] == ["--dtype", "bfloat16", *expected_args]
     assert {k: env[k] for k in expected_env} == expected_env

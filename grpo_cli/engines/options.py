@@ -3,7 +3,9 @@ import), which `grpo check` and the run's pre-flight read as well as the engine 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from grpo_cli.config import ModelConfig, RolloutConfig, TrainConfig
 from grpo_cli.errors import UsageError
@@ -113,3 +115,33 @@ def engine_on_trainer_rank(rollout: RolloutConfig) -> bool:
     none does (the generator rank holds the job's one engine, and the trainer a RemoteEngine, docs/async.md)."""
     return rollout.engine == "vllm" and rollout.placement == "colocated"
 
+
+def weight_bytes(model_path: str, dtype: str) -> int:
+    """The bytes of a model's weights held in `dtype` (the engine's), read from its safetensors headers: a local
+    directory, or a hub id (its safetensors are fetched into the cache, where vLLM then finds them)."""
+    import torch
+    from safetensors import safe_open
+
+    folder = Path(model_path)
+    if not folder.is_dir():
+        from huggingface_hub import snapshot_download
+
+        folder = Path(snapshot_download(model_path, allow_patterns=["*.safetensors"]))
+    element = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    total = 0
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            total += sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys()) * element
+    return total
+
+
+
+def cuda_engine_memory(model_path: str, dtype: str, kv_cache_gib: float) -> dict[str, Any]:
+    """vLLM's memory arguments on the current CUDA device: the KV cache sized explicitly, and a utilization its
+    start-up check passes with (`engine_utilization`), from the memory free now."""
+    import torch
+
+    free, total = torch.cuda.mem_get_info()
+    kv_cache = int(kv_cache_gib * 2**30)
+    return {"kv_cache_memory_bytes": kv_cache,
+            "gpu_memory_utilization": engine_utilization(weight_bytes(model_path, dtype), kv_cache, free, total)}

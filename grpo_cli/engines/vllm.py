@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 import os
 import shutil
 import tempfile
@@ -38,7 +37,7 @@ from grpo_cli.engines.options import (
     CPU_MAX_SEQS,
     CPU_TOOL_BLOCK_SIZE,
     adapter_sleep_level,
-    engine_utilization,
+    cuda_engine_memory,
     lora_requests_wanted,
     max_model_len,
     prefill_waves,
@@ -49,38 +48,6 @@ from grpo_cli.runtime import set_threads
 
 # vLLM, torch and safetensors are imported inside the functions that use them: grpo check and the config path
 # read engines.options beside this module and must not pay for them.
-
-def weight_bytes(model_path: str, dtype: str) -> int:
-    """The bytes of a model's weights held in `dtype` (the engine's), read from its safetensors headers: a local
-    directory, or a hub id (its safetensors are fetched into the cache, where vLLM then finds them)."""
-    import torch
-    from safetensors import safe_open
-
-    folder = Path(model_path)
-    if not folder.is_dir():
-        from huggingface_hub import snapshot_download
-
-        folder = Path(snapshot_download(model_path, allow_patterns=["*.safetensors"]))
-    element = torch.empty((), dtype=getattr(torch, dtype)).element_size()
-    total = 0
-    for path in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as f:
-            total += sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys()) * element
-    return total
-
-
-
-def cuda_engine_memory(model_path: str, dtype: str, kv_cache_gib: float) -> dict[str, Any]:
-    """vLLM's memory arguments on the current CUDA device: the KV cache sized explicitly, and a utilization its
-    start-up check passes with (`engine_utilization`), from the memory free now."""
-    import torch
-
-    free, total = torch.cuda.mem_get_info()
-    kv_cache = int(kv_cache_gib * 2**30)
-    return {"kv_cache_memory_bytes": kv_cache,
-            "gpu_memory_utilization": engine_utilization(weight_bytes(model_path, dtype), kv_cache, free, total)}
-
-
 
 def sampling_params(sampling: Sampling, seed: int) -> Any:
     """vLLM's SamplingParams for `sampling` from `seed`. detokenize=False unless there are stop strings: with it

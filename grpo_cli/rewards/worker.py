@@ -71,22 +71,93 @@ def call_in_process(fn: Any, completions: list, kwargs: dict[str, Any]) -> tuple
         return "raised", f"raised while its result was read: {one_line(e, 240)}"
 
 
-class RewardWorker:
-    """A killable process running one reward function; started on the first call."""
+class WorkerDied(Exception):
+    """A worker's transport: the child died, or could not be reached (a "raised" failure, worker killed)."""
+
+
+class Malformed(Exception):
+    """A worker's transport: what came back cannot be what the function returned (a "type" failure, worker
+    killed)."""
+
+
+class Worker:
+    """One function in a killable child process: the one call protocol of every worker (a reward's, a tool's, an
+    environment's, a sandboxed one's). Started on the first call within its start limit (`start_limit`), each
+    call within its limit (`call_limit`: the worker's own, cut to what is left of `within_s`), a call past it
+    kills the worker (the next call starts a fresh one), and each failure is one of ("raised" | "type" |
+    "timeout", reason). How the child is launched and how a call travels are its transport's: `_launch`,
+    `_exchange`, `alive` and `_stop` (RewardWorker: a spawned Python process, pickles over a pipe;
+    tools.sandbox.SandboxedWorker: a bwrap sandbox, JSON frames that are never unpickled)."""
 
     def __init__(self, name: str, fn: Any, timeout_s: float) -> None:
         self.name, self.fn, self.timeout_s = name, fn, timeout_s
-        self.process: Any = None
-        self.conn: Any = None
         self.starts = 0  # worker processes started so far (a restart loses what the last one held)
 
-    def twin(self, name: str) -> RewardWorker:
-        """Another worker of the same function and limit (the tool pool runs several side by side)."""
-        return RewardWorker(name, self.fn, self.timeout_s)
+    def twin(self, name: str) -> Worker:
+        """Another worker of the same function, limit and transport (the tool pool runs several side by side)."""
+        return type(self)(name, self.fn, self.timeout_s)
 
-    def _start(self, within_s: float = START_TIMEOUT_S) -> tuple[str, Any] | None:
-        """Start the worker within `within_s`; None when it is ready, else the failure to report."""
-        self.starts += 1
+    def call(self, completions: list, kwargs: dict[str, Any], timeout_s: float | None = None,
+             within_s: float | None = None) -> tuple[str, Any]:
+        """("ok", values) | ("raised" | "type" | "timeout", reason), within timeout_s seconds of the call (the
+        worker's own limit unless given); `within_s`: a bound on the whole of it, a worker's start included."""
+        asked = time.monotonic()
+        if not self.alive():
+            self.starts += 1
+            if (failure := self._launch(start_limit(within_s))) is not None:
+                return failure
+        limit = call_limit(timeout_s or self.timeout_s, within_s, time.monotonic() - asked)
+        started = time.monotonic()
+        try:
+            return self._exchange(completions, kwargs, limit)
+        except TimeoutError:
+            self.kill()
+            return "timeout", f"timed out after {limit:g} s (worker killed)"
+        except WorkerDied as e:
+            self.kill()
+            return "raised", str(e) or f"its worker died after {time.monotonic() - started:.1f} s"
+        except Malformed as e:
+            self.kill()
+            return "type", str(e)
+
+    def kill(self) -> None:
+        """Stop the child at once, whatever it is doing; the next call starts a fresh one."""
+        self._stop()
+
+    def close(self) -> None:
+        """End the worker (the transport may ask it to exit first)."""
+        self.kill()
+
+    # a transport's part
+    def alive(self) -> bool:
+        raise NotImplementedError
+
+    def _launch(self, within_s: float) -> tuple[str, Any] | None:
+        """Start the child within `within_s`: None when it is ready, else the failure to report."""
+        raise NotImplementedError
+
+    def _exchange(self, completions: list, kwargs: dict[str, Any], limit_s: float) -> tuple[str, Any]:
+        """Send one call and read its tagged answer within `limit_s`: TimeoutError past it, WorkerDied,
+        Malformed; a failure before anything was sent (inputs it cannot carry) is returned as it is."""
+        raise NotImplementedError
+
+    def _stop(self) -> None:
+        raise NotImplementedError
+
+
+class RewardWorker(Worker):
+    """A spawned Python process running one function, its calls pickled over a pipe (the trainer's own code:
+    its answers may be unpickled)."""
+
+    def __init__(self, name: str, fn: Any, timeout_s: float) -> None:
+        super().__init__(name, fn, timeout_s)
+        self.process: Any = None
+        self.conn: Any = None
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.is_alive()
+
+    def _launch(self, within_s: float = START_TIMEOUT_S) -> tuple[str, Any] | None:
         ctx = multiprocessing.get_context("spawn")  # fork would copy the trainer's threads and locks
         parent, child = ctx.Pipe()
         self.process = ctx.Process(target=_serve, args=(child, self.fn), daemon=True,
@@ -113,36 +184,24 @@ class RewardWorker:
             return tag, reason
         return None
 
-    def call(self, completions: list, kwargs: dict[str, Any], timeout_s: float | None = None,
-             within_s: float | None = None) -> tuple[str, Any]:
-        """("ok", values) | ("raised" | "type" | "timeout", reason), within timeout_s seconds of the call (the
-        worker's own limit unless given); `within_s`: a bound on the whole of it, a worker's start included."""
-        asked = time.monotonic()
-        if self.process is None or not self.process.is_alive():
-            if (failure := self._start(start_limit(within_s))) is not None:
-                return failure
+    def _exchange(self, completions: list, kwargs: dict[str, Any], limit_s: float) -> tuple[str, Any]:
         started = time.monotonic()
-        limit = call_limit(timeout_s or self.timeout_s, within_s, started - asked)
         try:
             self.conn.send((completions, kwargs))
         except Exception as e:  # e.g. a column value that cannot be pickled
             self.kill()
             return "raised", f"its inputs could not be sent to the worker: {one_line(e, 240)}"
-        if not self.conn.poll(limit):
-            self.kill()
-            return "timeout", f"timed out after {limit:g} s (worker killed)"
+        if not self.conn.poll(limit_s):
+            raise TimeoutError
         try:
-            result = self.conn.recv()
+            return self.conn.recv()
         except (EOFError, OSError):
             code = self.process.exitcode if self.process is not None else None
-            self.kill()
-            return "raised", f"its worker died after {time.monotonic() - started:.1f} s (exit code {code})"
+            raise WorkerDied(f"its worker died after {time.monotonic() - started:.1f} s (exit code {code})") from None
         except Exception as e:  # the result could not be unpickled
-            self.kill()
-            return "type", f"returned values that cannot be sent back: {one_line(e, 240)}"
-        return result
+            raise Malformed(f"returned values that cannot be sent back: {one_line(e, 240)}") from None
 
-    def kill(self) -> None:
+    def _stop(self) -> None:
         if self.process is not None and self.process.is_alive():
             self.process.kill()
             self.process.join(5)

@@ -80,7 +80,7 @@ class LoadedEnvironment:
         with self.lock:
             if self.worker is None:
                 return (*call_in_process(serve_request, request, {}), False, None)
-            alive = self.worker.process is not None and self.worker.process.is_alive()
+            alive = self.worker.alive()
             rebuild = bool(history) and not (alive and self.served.get(key) == self.worker.starts)
             # a worker that lost the instance replays its calls first, each within its own limit
             limit_s = self.timeout_s * (1 + len(history)) if rebuild else self.timeout_s
@@ -111,7 +111,7 @@ class LoadedEnvironment:
             for key in keys:
                 _LIVE.pop(key, None)
                 self.served.pop(key, None)
-            if self.worker is not None and self.worker.process is not None and self.worker.process.is_alive():
+            if self.worker is not None and self.worker.alive():
                 self.worker.call([(FORGET, keys)], {})  # a worker that fails to answer is killed, instances and all
 
     def close(self) -> None:

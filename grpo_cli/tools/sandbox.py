@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from grpo_cli.rewards.worker import call_limit, start_limit
+from grpo_cli.rewards.worker import Malformed, Worker, WorkerDied
 from grpo_cli.tools.seccomp import filter_fd, keyring_lock, program
 
 SANDBOX_UID = 65534  # "nobody": the code's uid and gid inside, where the trainer is not root (a user namespace)
@@ -756,21 +756,20 @@ def _import_view(fn: Any) -> tuple[list[str], list[str]]:
     return unique, list(dict.fromkeys(path))
 
 
-class SandboxedWorker:
-    """A tool's worker process (the RewardWorker protocol: call, kill, close) running inside the sandbox for its
-    whole life: a trusted tool the model's arguments reach (rollout.tools[i].sandbox=bwrap), so one it can be
-    made to misbehave still sees no network, no host file but its code's, and no host process, under a cgroup
-    of 512 MiB and 32 processes. Started on the first call; a call over its time limit kills the sandbox."""
+class SandboxedWorker(Worker):
+    """A tool's worker (rewards.worker.Worker's call protocol, this module's transport) running inside the sandbox
+    for its whole life: a trusted tool the model's arguments reach (rollout.tools[i].sandbox=bwrap), so one it can
+    be made to misbehave still sees no network, no host file but its code's, and no host process, under a cgroup
+    of 512 MiB and 32 processes. Its answers come back as JSON frames, never unpickled."""
 
     def __init__(self, name: str, fn: Any, timeout_s: float) -> None:
-        self.name, self.fn, self.timeout_s = name, fn, timeout_s
+        super().__init__(name, fn, timeout_s)
         self.process: Any = None
         self.group: CallGroup | None = None
         self.lease: UidLease | None = None  # a root trainer's worker runs as a uid of its own for its whole life
-        self.starts = 0
 
-    def twin(self, name: str) -> SandboxedWorker:
-        return SandboxedWorker(name, self.fn, self.timeout_s)
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
 
     def _send(self, data: bytes) -> None:
         import struct
@@ -808,12 +807,11 @@ class SandboxedWorker:
             raise ValueError("a frame without this call's key")
         return str(frame[1]), frame[2]
 
-    def _start(self, within_s: float) -> tuple[str, Any] | None:
+    def _launch(self, within_s: float) -> tuple[str, Any] | None:
         import json
         import pickle
         import secrets
 
-        self.starts += 1
         binds, path = _import_view(self.fn)
         binds = ancestors(binds) + [arg for bind in binds for arg in ("--ro-bind", bind, bind)]
         key, fd = secrets.token_hex(16), -1
@@ -841,42 +839,32 @@ class SandboxedWorker:
                 os.close(fd)
         return None if tag == "ready" else (tag, reason)
 
-    def call(self, completions: list, kwargs: dict[str, Any], timeout_s: float | None = None,
-             within_s: float | None = None) -> tuple[str, Any]:
-        """As RewardWorker.call: ("ok", values) | ("raised" | "type" | "timeout", reason)."""
+    def _exchange(self, completions: list, kwargs: dict[str, Any], limit_s: float) -> tuple[str, Any]:
         import json
         import secrets
 
-        asked = time.monotonic()
-        if self.process is None or self.process.poll() is not None:
-            if (failure := self._start(start_limit(within_s))) is not None:
-                return failure
-        limit, key = call_limit(timeout_s or self.timeout_s, within_s, time.monotonic() - asked), secrets.token_hex(16)
+        key = secrets.token_hex(16)
         try:
             request = json.dumps([key, completions, kwargs]).encode()
         except (TypeError, ValueError) as e:  # arguments JSON cannot carry
             return "type", f"its call could not be passed to the sandbox: {type(e).__name__}"
         try:
             self._send(request)
-            tag, value = self._receive(key, limit)
-        except TimeoutError:
-            self.kill()
-            return "timeout", f"timed out after {limit:g} s (worker killed)"
+            tag, value = self._receive(key, limit_s)
+        except TimeoutError:  # an OSError too: the call's limit, which Worker.call reports
+            raise
         except (OSError, EOFError):
             oom = self.group is not None and self.group.oom_killed()
-            self.kill()
-            return "raised", "its sandboxed worker died" + (" at its memory limit" if oom else "")
+            raise WorkerDied("its sandboxed worker died" + (" at its memory limit" if oom else "")) from None
         except ValueError:  # a frame that is not JSON, or not this call's (forged inside)
-            self.kill()
-            return "type", "its sandboxed worker sent a malformed answer (worker killed)"
+            raise Malformed("its sandboxed worker sent a malformed answer (worker killed)") from None
         well_formed = (isinstance(value, list) and len(value) == len(completions) and all(isinstance(v, str) for v in value)
                        if tag == "ok" else tag in ("raised", "type") and isinstance(value, str))
         if not well_formed:  # the bootstrap never writes such a frame: something else in the sandbox did
-            self.kill()
-            return "type", "its sandboxed worker sent a malformed answer (worker killed)"
+            raise Malformed("its sandboxed worker sent a malformed answer (worker killed)")
         return tag, value
 
-    def kill(self) -> None:
+    def _stop(self) -> None:
         if self.process is not None:
             try:
                 os.killpg(self.process.pid, 9)  # bwrap; the sandbox's PID 1 dies with it
@@ -892,5 +880,3 @@ class SandboxedWorker:
             self.lease.give_back()
             self.lease = None
 
-    def close(self) -> None:
-        self.kill()

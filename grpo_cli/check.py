@@ -273,9 +273,9 @@ def started_servers(cfg: TrainConfig) -> list[tuple[str, str, float]]:
     return out
 
 
-def server_lines(cfg: TrainConfig) -> tuple[list[str], float]:
+def server_lines(cfg: TrainConfig) -> list[str]:
     """What the started servers hold on rank 0's GPU, throughout the run (weights in model.dtype, their KV cache,
-    vLLM's workspace), and its total in bytes (0 where a model's shape is unknown: its line says so)."""
+    vLLM's workspace), each and in all (a model whose shape is unknown is named and not counted)."""
     lines, total, gib = [], 0.0, 2**30
     for key, model, kv_cache_gib in started_servers(cfg):
         shape = model_shape(model) if model else None
@@ -291,7 +291,7 @@ def server_lines(cfg: TrainConfig) -> tuple[list[str], float]:
                      f"{ENGINE_WORKSPACE_GIB:g}); its --gpu-memory-utilization is sized from them")
     if total:
         lines.append(f"  rank 0's GPU: the peak above + {total / gib:.1f} GiB of started servers")
-    return lines, total
+    return lines
 
 
 def gpu_lines(cfg: TrainConfig, shape: dict[str, Any] | None, world_size: int) -> list[str]:
@@ -300,7 +300,7 @@ def gpu_lines(cfg: TrainConfig, shape: dict[str, Any] | None, world_size: int) -
     servers grpo starts beside them on rank 0's."""
     if shape is None or (cfg.model.dtype == "float32" and not cfg.trainer.device.startswith("cuda")):
         return []  # a CPU run
-    return trainer_gpu_lines(cfg, shape, world_size) + server_lines(cfg)[0]
+    return trainer_gpu_lines(cfg, shape, world_size) + server_lines(cfg)
 
 
 def trainer_gpu_lines(cfg: TrainConfig, shape: dict[str, Any], world_size: int) -> list[str]:

@@ -72,7 +72,8 @@ def call_in_process(fn: Any, completions: list, kwargs: dict[str, Any]) -> tuple
 
 
 class WorkerDied(Exception):
-    """A worker's transport: the child died, or could not be reached (a "raised" failure, worker killed)."""
+    """A worker's transport: the child died, or could not be reached (a "raised" failure, worker killed); its
+    message says how."""
 
 
 class Malformed(Exception):
@@ -107,7 +108,6 @@ class Worker:
             if (failure := self._launch(start_limit(within_s))) is not None:
                 return failure
         limit = call_limit(timeout_s or self.timeout_s, within_s, time.monotonic() - asked)
-        started = time.monotonic()
         try:
             return self._exchange(completions, kwargs, limit)
         except TimeoutError:
@@ -115,7 +115,7 @@ class Worker:
             return "timeout", f"timed out after {limit:g} s (worker killed)"
         except WorkerDied as e:
             self.kill()
-            return "raised", str(e) or f"its worker died after {time.monotonic() - started:.1f} s"
+            return "raised", str(e)
         except Malformed as e:
             self.kill()
             return "type", str(e)

@@ -1,7 +1,7 @@
 """The two exceptions the CLI prints as one line without a traceback, a reward server's failure, and the one-line
 form of any error.
 
-They live apart from cli.py so that library modules (data, rewards, train, ...) can raise them
+They live apart from cli/ so that library modules (data, rewards, train, ...) can raise them
 without importing the command-line layer.
 """
 

@@ -9,7 +9,7 @@ Where the recipe comes from: a checkpoint of a run (RUN_DIR/checkpoints/NAME) or
 run=DIR makes RUN_DIR/config.yaml, the run's resolved config, the recipe, so the
 task, template, rewards and sampling are the training ones; `recipe=NAME` wins
 when given; command-line overrides (eval.samples_per_problem=8, ...) apply on
-top of either (cli.py does the composing).
+top of either (cli/ does the composing).
 
 Several checkpoints share ONE vLLM engine: it starts on the first, and each next
 one's safetensors are pushed into it (`VLLMEngine.push_weights`). Every checkpoint
@@ -41,23 +41,24 @@ import time
 from pathlib import Path
 from typing import Any
 
-from grpo_cli import data, runs
-from grpo_cli.checkpoint import adapter_rank, checkpoint_weights, load_tokenizer
 from grpo_cli.config import EvalCommandConfig, ModelConfig
 from grpo_cli.engines.base import NO_LOGPROBS, Sampling
 from grpo_cli.engines.tools import with_tools
 from grpo_cli.engines.vllm import VLLMEngine
 from grpo_cli.errors import UsageError
-from grpo_cli.heldout import HeldoutSet, add_greedy_metrics, heldout_metrics
-from grpo_cli.lora import merged_checkpoint_tensors
 from grpo_cli.preflight import check_tool_run
-from grpo_cli.prompts import render_row
+from grpo_cli.prompts import rows as data
+from grpo_cli.prompts.templates import render_row
 from grpo_cli.rewards import WeightedReward, load_rewards, validate_columns
 from grpo_cli.rewards.load import close_reward_models
-from grpo_cli.rollout import sample_seeds
 from grpo_cli.runtime import cpu_threads, quiet_third_party, set_threads
+from grpo_cli.step.heldout import HeldoutSet, add_greedy_metrics, heldout_metrics
+from grpo_cli.step.rollout import sample_seeds
 from grpo_cli.tools import load_tools
 from grpo_cli.tools.load import close_tools, tool_schemas
+from grpo_cli.weights import runs
+from grpo_cli.weights.checkpoint import adapter_rank, checkpoint_weights, load_tokenizer
+from grpo_cli.weights.lora import merged_checkpoint_tensors
 
 # config.json fields that must agree for weights to be pushed into one engine
 ARCH_KEYS = ("architectures", "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",

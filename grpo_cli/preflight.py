@@ -13,23 +13,25 @@ import os
 from pathlib import Path
 from typing import Any
 
-from grpo_cli import data, hub, passes, rewards
-from grpo_cli.checkpoint import load_tokenizer
+from grpo_cli import hub, rewards
+from grpo_cli.algorithm import passes
 from grpo_cli.config import TrainConfig
 from grpo_cli.engines.options import max_model_len, vllm_lora_rank
+from grpo_cli.engines.served import served_model
 from grpo_cli.errors import UsageError
-from grpo_cli.lora import check_targets
-from grpo_cli.model_files import checked_model_path
-from grpo_cli.pool import column_values
-from grpo_cli.prompts import render_row
+from grpo_cli.prompts import rows as data
+from grpo_cli.prompts.pool import column_values
+from grpo_cli.prompts.templates import render_row
 from grpo_cli.rewards.load import TOOL_RUN_ONLY
-from grpo_cli.served import served_model
-from grpo_cli.state import Task
-from grpo_cli.teacher import START_HINT
+from grpo_cli.rewards.teacher import START_HINT
+from grpo_cli.step.state import Task
 from grpo_cli.tools import load_tools
 from grpo_cli.tools.chat import ChatFormat
 from grpo_cli.tools.environment import check_rows
 from grpo_cli.tools.load import environment_of
+from grpo_cli.weights.checkpoint import load_tokenizer
+from grpo_cli.weights.lora import check_targets
+from grpo_cli.weights.model_files import checked_model_path
 
 
 def preflight(cfg: TrainConfig, checking: bool = False) -> Task | None:

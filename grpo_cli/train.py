@@ -20,34 +20,34 @@ import time
 from pathlib import Path
 from typing import Any
 
-from grpo_cli.ahead import RolloutsAhead, staleness_metrics
-from grpo_cli.batch import TrainBatch
-from grpo_cli.checkpoint import STEP_PREFIX, checkpoint_info, save_checkpoint, trainer_state
-from grpo_cli.collect import Groups, collect_groups
 from grpo_cli.config import TrainConfig
-from grpo_cli.console import make_console, summary_lines
 from grpo_cli.dist import COLLECTIVE_SECONDS, Dist
 from grpo_cli.dist.ranks import split_roles
 from grpo_cli.engines.base import NO_LOGPROBS, Engine, Sampling
-from grpo_cli.generator import is_generator_rank, serve
-from grpo_cli.heldout import add_greedy_metrics, flatten, heldout_metrics
-from grpo_cli.loggers import NullLogger, make_logger
-from grpo_cli.lora import summary
-from grpo_cli.metrics import rank_metrics, step_metrics
-from grpo_cli.plot import plot_runs
 from grpo_cli.preflight import preflight
+from grpo_cli.report.console import make_console, summary_lines
+from grpo_cli.report.loggers import NullLogger, make_logger
+from grpo_cli.report.plot import plot_runs
+from grpo_cli.report.watch import NonFiniteGuard, ZeroVarianceWatch
 from grpo_cli.rewards.load import close_reward_models
-from grpo_cli.rollout import sample_seeds
-from grpo_cli.runs import prune_checkpoints
+from grpo_cli.rewards.teacher import ServedTeacher
 from grpo_cli.runtime import quiet_third_party
-from grpo_cli.setup import setup_torch, start_run, teacher_engine
-from grpo_cli.state import RunState, Start
-from grpo_cli.sync import can_stand_in, maybe_push_check, push_mode, push_to_engine, release_engine, standing_in
-from grpo_cli.teacher import ServedTeacher
-from grpo_cli.timer import StepTimer
+from grpo_cli.step.ahead import RolloutsAhead, staleness_metrics
+from grpo_cli.step.batch import TrainBatch
+from grpo_cli.step.collect import Groups, collect_groups
+from grpo_cli.step.generator import is_generator_rank, serve
+from grpo_cli.step.heldout import add_greedy_metrics, flatten, heldout_metrics
+from grpo_cli.step.metrics import rank_metrics, step_metrics
+from grpo_cli.step.rollout import sample_seeds
+from grpo_cli.step.setup import setup_torch, start_run, teacher_engine
+from grpo_cli.step.state import RunState, Start
+from grpo_cli.step.sync import can_stand_in, maybe_push_check, push_mode, push_to_engine, release_engine, standing_in
+from grpo_cli.step.timer import StepTimer
+from grpo_cli.step.update import fill_logprobs, loss_params, update
 from grpo_cli.tools.load import close_tools
-from grpo_cli.update import fill_logprobs, loss_params, update
-from grpo_cli.watch import NonFiniteGuard, ZeroVarianceWatch
+from grpo_cli.weights.checkpoint import STEP_PREFIX, checkpoint_info, save_checkpoint, trainer_state
+from grpo_cli.weights.lora import summary
+from grpo_cli.weights.runs import prune_checkpoints
 
 log = logging.getLogger("grpo_cli.train")
 

@@ -64,8 +64,8 @@ def workload_prompts(cfg: Any, count: int) -> tuple[list[dict], list[str]]:
     """The first `count` training rows in the order `grpo train` visits them, and their prompt texts."""
     import random
 
-    from grpo_cli import data
-    from grpo_cli.prompts import render_row
+    from grpo_cli.prompts import rows as data
+    from grpo_cli.prompts.templates import render_row
 
     train_rows, _ = data.load_splits(cfg.data)
     order = random.Random(cfg.trainer.seed).sample(range(len(train_rows)), len(train_rows))
@@ -157,7 +157,7 @@ def worker_trl(args: argparse.Namespace) -> dict[str, Any]:
     from trl import GRPOConfig, GRPOTrainer
 
     from grpo_cli import rewards
-    from grpo_cli.checkpoint import resolve_model_path
+    from grpo_cli.weights.checkpoint import resolve_model_path
 
     cfg = load_recipe()
     torch.set_num_threads(usable_cpus())
@@ -225,9 +225,9 @@ def worker_bounds(args: argparse.Namespace) -> dict[str, Any]:
     from vllm import SamplingParams
 
     from grpo_cli import rewards
-    from grpo_cli.checkpoint import resolve_model_path
     from grpo_cli.engines.vllm import VLLMEngine
-    from grpo_cli.rollout import sample_seeds, training_sampling
+    from grpo_cli.step.rollout import sample_seeds, training_sampling
+    from grpo_cli.weights.checkpoint import resolve_model_path
 
     torch.set_num_threads(threads)
     cfg = load_recipe(args.set)
@@ -319,12 +319,12 @@ def worker_bounds(args: argparse.Namespace) -> dict[str, Any]:
 
 def worker_memory(args: argparse.Namespace) -> dict[str, Any]:
     """Peak memory of the loss's log-probabilities (forward + backward) on `tokens` positions and a
-    `vocab`-sized head, chunked (grpo_cli.grpo) or through full logits. Its own process: ru_maxrss
+    `vocab`-sized head, chunked (grpo_cli.algorithm.grpo) or through full logits. Its own process: ru_maxrss
     is a high-water mark, so the growth over the RSS before the computation is the peak it needed."""
     import torch
     import torch.nn.functional as F
 
-    from grpo_cli.passes import logprobs_from_hidden
+    from grpo_cli.algorithm.passes import logprobs_from_hidden
 
     torch.set_num_threads(usable_cpus())
     g = torch.Generator().manual_seed(0)
@@ -363,7 +363,7 @@ def worker_gpu(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from grpo_cli import grpo, passes
+    from grpo_cli.algorithm import grpo, passes
 
     config = Qwen2Config(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                          num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,

@@ -46,9 +46,9 @@ def run(extra: list[str], steps: int, out_dir: Path) -> dict:
 def trainer_bytes(rank: int | None) -> dict:
     """The trainer's bytes on the shipped model: weights held, and the gradients + AdamW moments of what trains
     (fp32), and the reference model's weights."""
-    from grpo_cli.checkpoint import load_policy, resolve_model_path
     from grpo_cli.config import LoraConfig
-    from grpo_cli.lora import with_adapters
+    from grpo_cli.weights.checkpoint import load_policy, resolve_model_path
+    from grpo_cli.weights.lora import with_adapters
 
     path = resolve_model_path("builtin:bike_base")
     model = load_policy(path, "float32")

@@ -6,7 +6,7 @@ through the step, on a random Qwen2 built from a config (no download).
 
 It starts itself under torchrun (gloo, one thread a rank) and runs the same update twice from the same
 weights, once with `dist.reshard_layers=true` and once with `false`: the reference pass and one
-optimizer step of `grpo_cli.update` on a synthetic batch (P prompts x G completions, the shared prompt
+optimizer step of `grpo_cli.step.update` on a synthetic batch (P prompts x G completions, the shared prompt
 pass, 2 micro-batches). For each it reports, from rank 0:
 
 - `peak_param_bytes`: the most parameter data the rank held at once during the update: its shards,
@@ -96,9 +96,9 @@ def synthetic_batch(prompts: int, group_size: int, prompt_tokens: int, completio
     """Groups of random prompts and completions (uneven lengths), random advantages, every group kept."""
     import torch
 
-    from grpo_cli.collect import Groups
     from grpo_cli.engines.base import Rollouts
     from grpo_cli.rewards import RewardFailures, Scores
+    from grpo_cli.step.collect import Groups
 
     g = torch.Generator().manual_seed(1)
     P, G = prompts, group_size
@@ -121,11 +121,11 @@ def update_once(build: Callable[[], Any], reshard_layers: bool, groups: Any, dis
     root group and of the largest layer, seconds, loss, grad norm and the final weights."""
     import torch
 
-    from grpo_cli.batch import TrainBatch
     from grpo_cli.config import RewardSpec, RolloutConfig, TrainConfig, TrainerConfig
     from grpo_cli.dist.shard import full_tensors, shard_model
-    from grpo_cli.state import RunState
-    from grpo_cli.update import fill_logprobs, loss_params, update
+    from grpo_cli.step.batch import TrainBatch
+    from grpo_cli.step.state import RunState
+    from grpo_cli.step.update import fill_logprobs, loss_params, update
 
     P = len(groups.prompt_ids)
     cfg = TrainConfig(task="t", rewards=[RewardSpec(name="correct")],

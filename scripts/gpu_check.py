@@ -5,7 +5,7 @@
     python scripts/gpu_check.py --cpu-smoke      # the same code on a tiny model on the CPU (tests run this)
 
 Needs only torch and transformers (no vLLM, hydra, wandb, datasets or network): it imports
-`grpo_cli.grpo` and `grpo_cli.passes` from this checkout, which need nothing else. Measures, on one device:
+`grpo_cli.algorithm.grpo` and `grpo_cli.algorithm.passes` from this checkout, which need nothing else. Measures, on one device:
 
 - bf16 numerics: the sampled tokens' logprobs under bf16 autocast (fp32 master weights) against
   fp32, same weights and batch;
@@ -103,7 +103,7 @@ def bf16_numerics(model: Any, batch: dict[str, Any], w: dict[str, int], device: 
     """The same weights' logprobs of the sampled tokens with bf16 autocast vs fp32."""
     import torch
 
-    from grpo_cli import passes
+    from grpo_cli.algorithm import passes
 
     out = {}
     with torch.no_grad():
@@ -122,7 +122,7 @@ def update_step(model: Any, optimizer: Any, batch: dict[str, Any], w: dict[str, 
     """One GRPO update as the trainer runs it: prompts once, micro-batches, one backward through the prompts."""
     import torch
 
-    from grpo_cli import grpo, passes
+    from grpo_cli.algorithm import grpo, passes
 
     optimizer.zero_grad(set_to_none=True)
     mask = batch["completion_mask"]
@@ -150,7 +150,7 @@ def fsdp_step(model: Any, optimizer: Any, batch: dict[str, Any], w: dict[str, in
     module, so FSDP's hooks gather and reduce every parameter; logprobs chunked from the last hidden state."""
     import torch
 
-    from grpo_cli import grpo, passes
+    from grpo_cli.algorithm import grpo, passes
 
     optimizer.zero_grad(set_to_none=True)
     mask = batch["completion_mask"]

@@ -75,7 +75,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from grpo_cli.prompts import render_plain  # noqa: E402
+from grpo_cli.prompts.templates import render_plain  # noqa: E402
 
 EOS, PAD = "<|endoftext|>", "<|pad|>"
 # Qwen2Tokenizer's own pre-tokenizer regex (transformers' models/qwen2/tokenization_qwen2.py).

@@ -1,7 +1,7 @@
 """The smallest GRPO policy: one parameter theta, P(correct) = sigmoid(theta).
 
 Each step samples a group of G answers (correct with probability p), gives each the
-group-relative advantage from `grpo_cli.grpo.group_advantages`, and moves theta along
+group-relative advantage from `grpo_cli.algorithm.grpo.group_advantages`, and moves theta along
 mean(advantage * d log p(answer) / d theta). A group that is all right or all wrong has
 zero std, carries no signal, and is skipped (and counted).
 
@@ -18,7 +18,7 @@ import math
 import numpy as np
 import torch
 
-from grpo_cli.grpo import group_advantages
+from grpo_cli.algorithm.grpo import group_advantages
 
 
 def main(argv: list[str] | None = None) -> float:

@@ -212,7 +212,7 @@ def build_tiny_tool_model(path: Path) -> None:
 @pytest.fixture(scope="session")
 def shipped_weights(shipped_model_dir):
     """The shipped model's tensors, as a push gives them to the engine."""
-    from grpo_cli.checkpoint import checkpoint_weights
+    from grpo_cli.weights.checkpoint import checkpoint_weights
 
     return checkpoint_weights(shipped_model_dir)
 

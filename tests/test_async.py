@@ -65,7 +65,7 @@ def test_the_batch_of_step_3_came_from_the_weights_after_step_1(threaded):
     """The step-2 checkpoint holds the batch step 3 trains on, sampled while step 2 trained. Re-scored with
     transformers (teacher-forced, T=1), its sampling logprobs match the step-1 weights (the push check's
     tolerance) and miss the step-2 weights and the start's by far more: it came from step t-2's weights."""
-    from grpo_cli.checkpoint import load_policy, load_trainer_state
+    from grpo_cli.weights.checkpoint import load_policy, load_trainer_state
 
     checkpoints = threaded / "checkpoints"
     (batch,) = load_trainer_state(checkpoints / "step_000002")["rollouts_ahead"]

@@ -60,7 +60,7 @@ def test_tokenizer_round_trips_from_disk(shipped_model_dir, bike_splits):
     from tokenizers import Tokenizer
     from transformers import AutoTokenizer
 
-    from grpo_cli.prompts import render_plain
+    from grpo_cli.prompts.templates import render_plain
 
     raw = Tokenizer.from_file(str(shipped_model_dir / "tokenizer.json"))
     loaded = AutoTokenizer.from_pretrained(shipped_model_dir)
@@ -81,7 +81,7 @@ def test_vllm_tokenizer_and_greedy_match_transformers(shipped_model_dir, vllm_en
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from vllm import SamplingParams
 
-    from grpo_cli.prompts import render_plain
+    from grpo_cli.prompts.templates import render_plain
 
     tokenizer = AutoTokenizer.from_pretrained(shipped_model_dir)
     vllm_tokenizer = vllm_engine.llm.get_tokenizer()
@@ -107,7 +107,7 @@ def test_heldout_accuracy_band(vllm_engine, bike_splits):
     """Sampled pass@1 (T=1) in [0.15, 0.50], greedy above it, answers well-formed, groups mixed."""
     from vllm import SamplingParams
 
-    from grpo_cli.prompts import render_plain
+    from grpo_cli.prompts.templates import render_plain
     from grpo_cli.rewards import correct, format_ok
 
     _, heldout = bike_splits
@@ -140,7 +140,7 @@ def test_every_tier_is_solvable_greedily(vllm_engine, bike_splits, tier):
     """No tier is out of reach (GRPO can only sharpen what the model sometimes gets right)."""
     from vllm import SamplingParams
 
-    from grpo_cli.prompts import render_plain
+    from grpo_cli.prompts.templates import render_plain
     from grpo_cli.rewards import correct
 
     _, heldout = bike_splits

@@ -104,7 +104,7 @@ def test_a_few_steps_of_the_recipe_call_the_calculator_and_log_the_tool_and_gree
     results, and the held-out evaluations log greedy accuracy, the call shares and pass@1 by calling."""
     from grpo_cli import train
     from grpo_cli.cli import load_config
-    from grpo_cli.plot import plot_runs
+    from grpo_cli.report.plot import plot_runs
 
     cfg = load_config("train", ["recipe=bike_pricing_tools", "rollout.engine=hf", "trainer.steps=3",
                                 "rollout.prompts_per_step=4", "rollout.group_size=4", "eval.num_problems=8",

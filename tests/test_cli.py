@@ -209,7 +209,7 @@ def test_sliding_window_model_is_refused_before_loading(cli, tmp_path):
     import json
     import shutil
 
-    from grpo_cli.checkpoint import resolve_model_path
+    from grpo_cli.weights.checkpoint import resolve_model_path
 
     model = tmp_path / "sliding"
     shutil.copytree(resolve_model_path("builtin:bike_base"), model)

@@ -14,7 +14,7 @@ from grpo_cli.config import ConfigError, DistConfig, RewardSpec, RolloutConfig, 
 
 def all_dataclasses():
     return [obj for _, obj in inspect.getmembers(schema, inspect.isclass)
-            if dataclasses.is_dataclass(obj) and obj.__module__ == schema.__name__]
+            if dataclasses.is_dataclass(obj) and obj.__module__.startswith(schema.__name__ + ".")]
 
 
 def test_every_field_has_a_comment():
@@ -54,7 +54,7 @@ def test_bad_values_name_the_full_key(build, key):
 
 
 def test_trainer_loss_accepts_exactly_the_losses_table():
-    from grpo_cli.grpo import LOSSES
+    from grpo_cli.algorithm.grpo import LOSSES
 
     for name in LOSSES:
         assert TrainerConfig(loss=name).loss == name
@@ -110,7 +110,7 @@ def test_the_sampling_logprobs_come_back_for_every_group_a_correction_reads_and_
         groups, correction, asked):
     """rollout.mismatch_groups picks the first groups of a step, by seed (which a rank's share keeps), when only the
     mismatch metric reads the engine's logprobs; a correction reads every group's."""
-    from grpo_cli.rollout import training_sampling
+    from grpo_cli.step.rollout import training_sampling
 
     cfg = TrainConfig(task="t", rewards=[RewardSpec(name="correct")], rollout=RolloutConfig(mismatch_groups=groups),
                       trainer=TrainerConfig(mismatch_correction=correction))

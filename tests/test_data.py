@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from grpo_cli.config import DataConfig
-from grpo_cli.data import load_splits
 from grpo_cli.errors import UsageError
+from grpo_cli.prompts.rows import load_splits
 from grpo_cli.tasks import bike_pricing
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -155,7 +155,7 @@ def test_a_bad_conversation_is_one_line_naming_its_row(tmp_path, prompt, templat
 def test_a_conversation_renders_as_it_is_and_rewards_read_its_question(tiny_chat_model_dir):
     from transformers import AutoTokenizer
 
-    from grpo_cli.prompts import render_row
+    from grpo_cli.prompts.templates import render_row
     from grpo_cli.rewards import SampleContext, score
     from grpo_cli.rewards.load import WeightedReward
 
@@ -218,7 +218,7 @@ def test_hub_source_without_a_name():
 
 
 def test_hub_source_offline_is_a_one_line_error(tmp_path):
-    code = ("from grpo_cli.config import DataConfig\nfrom grpo_cli.data import load_splits\n"
+    code = ("from grpo_cli.config import DataConfig\nfrom grpo_cli.prompts.rows import load_splits\n"
             "from grpo_cli.cli import UsageError\n"
             "try:\n    load_splits(DataConfig(source='hub:someone/nothing-here@test'))\n"
             "except UsageError as e:\n    print(e)\n")

@@ -32,8 +32,8 @@ def test_distill_settings_are_checked_with_their_key():
 
 def test_a_teacher_is_refused_before_any_model_loads_with_one_line_naming_it(tmp_path):
     """preflight checks distill.teacher (preflight.check_teacher): its files, a causal LM, the student's tokenizer."""
-    from grpo_cli.checkpoint import load_tokenizer, resolve_model_path
     from grpo_cli.preflight import check_teacher
+    from grpo_cli.weights.checkpoint import load_tokenizer, resolve_model_path
 
     with pytest.raises(UsageError, match=r"^distill.teacher: no built-in model 'bike_teacherx'"):
         preflight(load_config("train", [*BIKE, "distill.teacher=builtin:bike_teacherx"]))
@@ -61,9 +61,9 @@ def run_distill_steps(teacher: torch.nn.Module, steps: int) -> tuple[list[dict],
     update's stats, and the mean |student - teacher logprob| over the batch's tokens before each and after the last."""
     from test_stages import loop_cfg, stage_state, synthetic_groups, tiny_policy
 
-    from grpo_cli.batch import TrainBatch
     from grpo_cli.dist import Dist
-    from grpo_cli.update import batch_logprobs, fill_logprobs, loss_params, update
+    from grpo_cli.step.batch import TrainBatch
+    from grpo_cli.step.update import batch_logprobs, fill_logprobs, loss_params, update
 
     cfg = loop_cfg(3, micro_batch_size=64, lr=0.2)
     cfg.distill = DistillConfig(teacher="given", objective="distill")
@@ -107,10 +107,10 @@ def test_the_teachers_heldout_pass_at_1_is_measured_on_the_teacher_itself():
     vLLM engine's path, the teacher's weights pushed in and the policy's back: test_engine.py.)"""
     from test_stages import stage_state
 
-    from grpo_cli.checkpoint import load_policy
     from grpo_cli.engines.hf import HFEngine
-    from grpo_cli.heldout import HeldoutSet
+    from grpo_cli.step.heldout import HeldoutSet
     from grpo_cli.train import teacher_heldout
+    from grpo_cli.weights.checkpoint import load_policy
 
     cfg = load_config("train", [*BIKE, "distill.teacher=builtin:bike_base", "rollout.max_new_tokens=48"])
     task = preflight(cfg)
@@ -150,7 +150,7 @@ def test_a_served_teacher_is_refused_with_its_key_when_it_cannot_grade():
 
 
 def test_a_served_teachers_grades_are_read_off_the_prompt_logprobs_of_the_whole_sample():
-    from grpo_cli.teacher import completion_grades
+    from grpo_cli.rewards.teacher import completion_grades
 
     choice = {"prompt_logprobs": [None, {"60": {"logprob": -8.7, "rank": 152}}, {"70": {"logprob": -8.0, "rank": 3},
                                                                                  "71": {"logprob": -0.1, "rank": 1}},
@@ -171,12 +171,12 @@ def test_a_teacher_served_by_a_real_vllm_server_grades_as_the_teacher_in_process
     from test_stages import loop_cfg, synthetic_groups
 
     from grpo_cli import train
-    from grpo_cli.batch import TrainBatch
-    from grpo_cli.checkpoint import load_policy, resolve_model_path
     from grpo_cli.dist import Dist
-    from grpo_cli.served import Placement
-    from grpo_cli.teacher import start_server
-    from grpo_cli.update import batch_logprobs, loss_params
+    from grpo_cli.engines.served import Placement
+    from grpo_cli.rewards.teacher import start_server
+    from grpo_cli.step.batch import TrainBatch
+    from grpo_cli.step.update import batch_logprobs, loss_params
+    from grpo_cli.weights.checkpoint import load_policy, resolve_model_path
 
     path = resolve_model_path("builtin:bike_base")
     served = start_server(path, Placement("cpu", "float32", 1.0), 512, tmp_path / "server.log", 300, 60, 4)
@@ -204,7 +204,7 @@ def test_a_teacher_served_by_a_real_vllm_server_grades_as_the_teacher_in_process
 
 
 def test_grpo_check_counts_a_teacher_in_process_in_the_trainers_gpu_memory_and_a_served_one_nowhere():
-    from grpo_cli.check import gpu_lines, model_shape, teacher_bytes, teacher_line
+    from grpo_cli.estimate import gpu_lines, model_shape, teacher_bytes, teacher_line
 
     def cfg(*extra: str):
         return load_config("train", [*BIKE, "model.dtype=bfloat16", "rollout.push_check_tol=0.05", *extra])

@@ -148,7 +148,7 @@ def digit_share(completions, **kwargs):
 SITECUSTOMIZE = '''
 import os
 if os.environ.get("GRPO_TEST_FAIL_RANK") == os.environ.get("RANK", "-"):
-    import grpo_cli.update as _update
+    import grpo_cli.step.update as _update
     _real, _calls = _update.update, []
     def update(*args, **kwargs):
         _calls.append(1)
@@ -331,7 +331,7 @@ def test_a_two_rank_lora_run_with_a_teacher_ends_with_the_adapters_of_a_one_rank
 
 
 def test_ctrl_c_on_two_ranks_checkpoints_exits_130_and_leaves_no_rank(workdir):
-    from grpo_cli.runs import step_checkpoints
+    from grpo_cli.weights.runs import step_checkpoints
 
     proc = subprocess.Popen(train_args(workdir, "interrupted", "trainer.steps=200", "checkpoint.every=0"),
                             cwd=workdir, env=env_with_cwd(workdir), stdout=subprocess.PIPE, stderr=subprocess.PIPE,

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 def shipped():
     import torch
 
-    from grpo_cli.checkpoint import load_policy, load_tokenizer, resolve_model_path
+    from grpo_cli.weights.checkpoint import load_policy, load_tokenizer, resolve_model_path
 
     path = resolve_model_path("builtin:bike_base")
     torch.manual_seed(0)
@@ -26,10 +26,10 @@ def shipped():
 def test_vllm_push_changes_engine_logprobs_to_match_trainer(vllm_engine, shipped):
     import torch
 
-    from grpo_cli import passes
+    from grpo_cli.algorithm import passes
     from grpo_cli.engines.base import Sampling
-    from grpo_cli.prompts import render_plain
-    from grpo_cli.rollout import sample_seeds
+    from grpo_cli.prompts.templates import render_plain
+    from grpo_cli.step.rollout import sample_seeds
 
     path, policy, tokenizer = shipped
     prompt = tokenizer(render_plain("A city bike costs 10 per day and Ana keeps it for 3 days. "
@@ -54,7 +54,7 @@ def test_vllm_push_changes_engine_logprobs_to_match_trainer(vllm_engine, shipped
     assert (after - trainer).abs().max() < 1e-3  # ...and now match the trainer's.
 
     # Put the shipped weights back for other tests sharing the engine.
-    from grpo_cli.checkpoint import load_policy
+    from grpo_cli.weights.checkpoint import load_policy
     vllm_engine.push_weights(load_policy(path, "float32").state_dict().items())
     assert (torch.tensor(vllm_engine.score([seq])[0]) - before).abs().max() < 1e-4
 
@@ -62,8 +62,8 @@ def test_vllm_push_changes_engine_logprobs_to_match_trainer(vllm_engine, shipped
 def test_sampling_seeds_are_per_prompt_and_reproducible(vllm_engine, shipped):
     _, _, tokenizer = shipped
     from grpo_cli.engines.base import Sampling
-    from grpo_cli.prompts import render_plain
-    from grpo_cli.rollout import sample_seeds
+    from grpo_cli.prompts.templates import render_plain
+    from grpo_cli.step.rollout import sample_seeds
 
     q = "A city bike costs 10 per day and Ana keeps it for 3 days. How much does Ana pay in total?"
     prompt = tokenizer(render_plain(q), add_special_tokens=False)["input_ids"]
@@ -106,7 +106,7 @@ def test_train_end_to_end_with_vllm(trained_run, shipped):
 
     final = run_dir / "checkpoints" / "final"
     assert (final / "model.safetensors").is_file() and (final / "tokenizer.json").is_file()
-    from grpo_cli.checkpoint import load_policy
+    from grpo_cli.weights.checkpoint import load_policy
 
     reloaded = load_policy(str(final), "float32")
     base = load_file(Path(shipped[0]) / "model.safetensors")
@@ -142,9 +142,9 @@ def sampling_mismatch(engine, policy, prompts, temperature):
     """Mean |engine's sampling logprob - trainer's logprob at `temperature`| over the sampled tokens."""
     import torch
 
-    from grpo_cli import passes
+    from grpo_cli.algorithm import passes
     from grpo_cli.engines.base import Sampling
-    from grpo_cli.rollout import sample_seeds
+    from grpo_cli.step.rollout import sample_seeds
 
     out = engine.generate(prompts, Sampling(4, temperature, 1.0, 40), sample_seeds(0, 3, len(prompts)))
     total, tokens = 0.0, 0
@@ -163,9 +163,9 @@ def test_sampling_logprobs_are_of_the_distribution_sampled_from_at_any_temperatu
     """The engines report each sampled token's logprob after the temperature, as the trainer computes it
     (logits / rollout.temperature): the mismatch metric at T=0.7 stays at its T=1 level. vLLM's default
     (raw logprobs, before the temperature) gave 0.016 here at T=0.7, against 1e-8 at T=1."""
-    from grpo_cli.checkpoint import load_policy
     from grpo_cli.engines.hf import HFEngine
-    from grpo_cli.prompts import render_plain
+    from grpo_cli.prompts.templates import render_plain
+    from grpo_cli.weights.checkpoint import load_policy
 
     path, _, tokenizer = shipped
     # the shipped weights, as the session's engine holds them (another test nudges the `shipped` policy)
@@ -185,8 +185,8 @@ def test_vllm_returns_sampling_logprobs_only_for_the_prompts_asked_and_samples_t
     import math
 
     from grpo_cli.engines.base import NO_LOGPROBS, Sampling
-    from grpo_cli.prompts import render_plain
-    from grpo_cli.rollout import sample_seeds
+    from grpo_cli.prompts.templates import render_plain
+    from grpo_cli.step.rollout import sample_seeds
 
     _, _, tokenizer = shipped
     prompts = [tokenizer(render_plain(q), add_special_tokens=False)["input_ids"] for q in (
@@ -209,10 +209,10 @@ def test_vllm_returns_sampling_logprobs_only_for_the_prompts_asked_and_samples_t
 def test_temperature_zero_is_greedy_on_both_engines(vllm_engine, shipped):
     """Sampling(temperature=0) is greedy decoding: the transformers engine (whose generate refuses temperature
     0) writes the same tokens as vLLM, whatever the seeds."""
-    from grpo_cli.checkpoint import load_policy
     from grpo_cli.engines.base import Sampling
     from grpo_cli.engines.hf import HFEngine
-    from grpo_cli.prompts import render_plain
+    from grpo_cli.prompts.templates import render_plain
+    from grpo_cli.weights.checkpoint import load_policy
 
     path, _, tokenizer = shipped
     engine = HFEngine(load_policy(path, "float32"), tokenizer)
@@ -231,8 +231,8 @@ def test_the_exact_push_check_sees_a_skipped_push_that_the_logprob_check_misses(
     import torch
     from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
-    from grpo_cli.checkpoint import load_policy, resolve_model_path
-    from grpo_cli.sync import EXACT_TENSORS, exact_push_check, mismatched_elements, push_check
+    from grpo_cli.step.sync import EXACT_TENSORS, exact_push_check, mismatched_elements, push_check
+    from grpo_cli.weights.checkpoint import load_policy, resolve_model_path
 
     policy = load_policy(resolve_model_path("builtin:bike_base"), "float32")
     vllm_engine.push_weights(policy.state_dict().items())
@@ -267,11 +267,11 @@ def test_a_teacher_that_fits_the_engine_is_evaluated_by_it_and_the_policy_is_pus
     import torch
     from test_stages import stage_state
 
-    from grpo_cli.checkpoint import load_policy
     from grpo_cli.cli import load_config
-    from grpo_cli.heldout import HeldoutSet
     from grpo_cli.preflight import preflight
+    from grpo_cli.step.heldout import HeldoutSet
     from grpo_cli.train import heldout_eval, teacher_heldout
+    from grpo_cli.weights.checkpoint import load_policy
 
     path, _, _ = shipped
     cfg = load_config("train", ["recipe=bike_pricing", "distill.teacher=builtin:bike_base", "eval.num_problems=32"])

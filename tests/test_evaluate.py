@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from grpo_cli import heldout
-from grpo_cli.checkpoint import checkpoint_weights
 from grpo_cli.config import DataConfig
 from grpo_cli.engines.base import Sampling
-from grpo_cli.heldout import HeldoutSet, answer_key, majority_vote, pass_at_1_by_calling, pass_at_k, summarise
+from grpo_cli.step import heldout
+from grpo_cli.step.heldout import HeldoutSet, answer_key, majority_vote, pass_at_1_by_calling, pass_at_k, summarise
+from grpo_cli.weights.checkpoint import checkpoint_weights
 
 REPO = Path(__file__).resolve().parents[1]
 EVAL_KEYS = {"pass@1", "pass@k", "k", "maj@k", "mean_length", "truncation_rate", "mean_reward", "per_tier",
@@ -325,7 +325,7 @@ def test_eval_of_three_checkpoints_starts_one_engine(shipped_run, tmp_path, cli,
     band. The engine it starts on the first checkpoint is the session's, with that checkpoint's weights
     pushed in (starting a second one in this process would break the first: docs/design.md)."""
     from grpo_cli import evaluate
-    from grpo_cli.checkpoint import checkpoint_weights
+    from grpo_cli.weights.checkpoint import checkpoint_weights
 
     starts = []
 

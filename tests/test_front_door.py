@@ -226,10 +226,10 @@ def test_command_help_shows_every_key_with_its_comment_and_the_list_items_fields
                                    "eval.num_problems=8"]])
 def test_every_command_silences_the_libraries_before_it_runs(cli, monkeypatch, tmp_path, args):
     """Before: only train and eval did, so `grpo reward recipe=bike_pricing_rm` showed transformers' loading bar."""
-    import grpo_cli.cli
+    import grpo_cli.cli.app
 
     calls = []
-    monkeypatch.setattr(grpo_cli.cli, "quiet_third_party", calls.append)
+    monkeypatch.setattr(grpo_cli.cli.app, "quiet_third_party", calls.append)
     out = cli(*args, *([f"out={tmp_path}"] if args[0] == "export" else []))
     assert out.returncode == 0, out.stderr
     assert calls == [False]  # once, silenced (logging.verbose_libraries=false)
@@ -295,7 +295,7 @@ def test_the_docs_list_every_key_a_resume_may_change():
     """README and docs/checkpoints.md omitted rollout.placement and rollout.generator_ranks."""
     import re
 
-    from grpo_cli.setup import RESUMABLE_CHANGES
+    from grpo_cli.step.setup import RESUMABLE_CHANGES
 
     for page in ("README.md", "docs/checkpoints.md"):
         text = " ".join((REPO / page).read_text().split())

@@ -58,8 +58,9 @@ class RecordingEngine(DelegatingEngine):
 @pytest.mark.slow
 def test_the_loop_sleeps_after_generating_and_wakes_weights_then_kv_cache_around_the_push(tmp_path, monkeypatch,
                                                                                          tiny_model_dir):
-    from grpo_cli import setup, train
+    from grpo_cli import train
     from grpo_cli.cli import load_config
+    from grpo_cli.step import setup
 
     engines = []
     real_build = setup.build_engine
@@ -109,7 +110,7 @@ def test_sleep_mode_auto_follows_the_trainer_device_and_the_hf_engine_ignores_it
 
 
 def test_optimizer_state_moves_its_moments_and_keeps_the_step_counter():
-    from grpo_cli.optim import move_optimizer_state
+    from grpo_cli.step.optim import move_optimizer_state
 
     model = torch.nn.Linear(3, 2)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
@@ -210,7 +211,7 @@ def test_fp16_training_is_refused_before_any_model_loads(cli):
 
 def test_deterministic_runs_get_the_cublas_workspace_cuda_needs(monkeypatch):
     from grpo_cli.config import TrainerConfig
-    from grpo_cli.setup import setup_torch
+    from grpo_cli.step.setup import setup_torch
 
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     threads = torch.get_num_threads()
@@ -289,8 +290,8 @@ def test_check_counts_what_a_rank_holds_with_and_without_layer_by_layer_reshardi
     whole model without dist.reshard_layers), beside sharded gradients and AdamW moments."""
     import importlib.util
 
-    from grpo_cli.check import layer_parameter_count, memory_lines, parameter_count
     from grpo_cli.config import DistConfig, RewardSpec, TrainConfig
+    from grpo_cli.estimate import layer_parameter_count, memory_lines, parameter_count
 
     spec = importlib.util.spec_from_file_location("bench_reshard", REPO / "scripts" / "bench_reshard.py")
     bench = importlib.util.module_from_spec(spec)
@@ -333,9 +334,9 @@ def test_check_counts_a_lora_run_as_a_frozen_base_in_its_dtype_and_fp32_adapters
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from grpo_cli.check import adapter_parameter_count, memory_lines
     from grpo_cli.config import LoraConfig, ModelConfig, RewardSpec, RolloutConfig, TrainConfig
-    from grpo_cli.lora import peft_config
+    from grpo_cli.estimate import adapter_parameter_count, memory_lines
+    from grpo_cli.weights.lora import peft_config
 
     config = json.loads((REPO / "grpo_cli" / "models" / "bike_base" / "config.json").read_text())
     with torch.device("meta"):
@@ -375,16 +376,16 @@ def saved_bytes_per_token(model: torch.nn.Module, autocast: bool) -> float:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_check_activation_estimate_matches_what_autograd_saves(dtype, lora):
-    """`grpo check`'s activations per token (check.ACTIVATION_BYTES) against the tensors autograd saves in a
+    """`grpo check`'s activations per token (estimate.ACTIVATION_BYTES) against the tensors autograd saves in a
     Qwen2-shaped model of a shape the table was not fitted on: fp32 as on the CPU, and bf16 as the trainer runs on
     CUDA (autocast over fp32 master weights; with LoRA a bf16 base and fp32 adapters), here under the CPU's
     autocast."""
     from peft import get_peft_model
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from grpo_cli.check import activation_bytes_per_token
     from grpo_cli.config import LoraConfig
-    from grpo_cli.lora import peft_config
+    from grpo_cli.estimate import activation_bytes_per_token
+    from grpo_cli.weights.lora import peft_config
 
     shape = dict(vocab_size=300, hidden_size=384, intermediate_size=1536, num_hidden_layers=2, num_attention_heads=6,
                  num_key_value_heads=2, tie_word_embeddings=False)
@@ -399,7 +400,7 @@ def test_check_activation_estimate_matches_what_autograd_saves(dtype, lora):
 
 
 def test_the_7b_lora_recipe_fits_an_80_gb_gpu_and_sleeps_at_level_1(cli):
-    """`grpo check` on the 7B LoRA recipe (its shape from check.HUB_SHAPES: no download) prints each phase's GPU
+    """`grpo check` on the 7B LoRA recipe (its shape from estimate.HUB_SHAPES: no download) prints each phase's GPU
     memory, under 80 GiB at the peak; sleep level 2 would drop the base weights the adapter push never sends
     again, so a LoRA run that pushes adapters sleeps at level 1."""
     import re

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from grpo_cli.grpo import (
+from grpo_cli.algorithm.grpo import (
     LOSSES,
     NORMALIZERS,
     LossInputs,
@@ -19,7 +19,7 @@ from grpo_cli.grpo import (
     token_mean_loss,
     zero_variance_groups,
 )
-from grpo_cli.passes import (
+from grpo_cli.algorithm.passes import (
     completion_logprobs,
     logprobs_from_hidden,
     prompt_backward,

@@ -79,29 +79,29 @@ def test_find_cycle_sees_a_circle_through_a_function_level_import():
 
 
 def test_the_graph_counts_annotation_and_relative_imports():
-    tree = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from grpo_cli.state import RunState\n"
+    tree = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from grpo_cli.step.state import RunState\n"
                      "from . import base\n")
     names = [t for node in ast.walk(tree) for t in _imported(node, "grpo_cli.engines.vllm", False)]
-    assert "grpo_cli.state.RunState" in names and "grpo_cli.engines.base" in names
+    assert "grpo_cli.step.state.RunState" in names and "grpo_cli.engines.base" in names
 
 
 def test_no_import_circle_in_the_package():
     graph = import_graph()
-    assert "grpo_cli.schedules" in graph["grpo_cli.config"]  # the lr schedule names come from the real table
+    assert "grpo_cli.algorithm.schedules" in graph["grpo_cli.config.trainer"]  # the lr schedule names: the real table
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
 
 
 def test_the_run_state_sits_below_the_stages_and_the_composition_root_above_them():
     graph = import_graph()
-    stages = {"grpo_cli.collect", "grpo_cli.batch", "grpo_cli.update", "grpo_cli.sync", "grpo_cli.ahead",
-              "grpo_cli.rollout", "grpo_cli.metrics"}
-    assert not reaches(graph, "grpo_cli.state") & (stages | {"grpo_cli.setup", "grpo_cli.train"})
+    stages = {"grpo_cli.step.collect", "grpo_cli.step.batch", "grpo_cli.step.update", "grpo_cli.step.sync", "grpo_cli.step.ahead",
+              "grpo_cli.step.rollout", "grpo_cli.step.metrics"}
+    assert not reaches(graph, "grpo_cli.step.state") & (stages | {"grpo_cli.step.setup", "grpo_cli.train"})
     assert not reaches(graph, "grpo_cli.engines.base") - {"grpo_cli.engines"}  # the protocol imports no module
-    built = {"grpo_cli.state", "grpo_cli.engines.vllm", "grpo_cli.engines.hf", "grpo_cli.engines.sharded",
-             "grpo_cli.engines.remote", "grpo_cli.engines.tools", "grpo_cli.heldout", "grpo_cli.optim", "grpo_cli.sync"}
-    assert built <= reaches(graph, "grpo_cli.setup")  # the composition root: every piece of a RunState below it
-    assert stages | built | {"grpo_cli.setup"} <= reaches(graph, "grpo_cli.train")
-    importers = {m for m, targets in graph.items() if "grpo_cli.setup" in targets}
+    built = {"grpo_cli.step.state", "grpo_cli.engines.vllm", "grpo_cli.engines.hf", "grpo_cli.engines.sharded",
+             "grpo_cli.engines.remote", "grpo_cli.engines.tools", "grpo_cli.step.heldout", "grpo_cli.step.optim", "grpo_cli.step.sync"}
+    assert built <= reaches(graph, "grpo_cli.step.setup")  # the composition root: every piece of a RunState below it
+    assert stages | built | {"grpo_cli.step.setup"} <= reaches(graph, "grpo_cli.train")
+    importers = {m for m, targets in graph.items() if "grpo_cli.step.setup" in targets}
     assert importers <= {"grpo_cli.train", "grpo_cli.evaluate"}, importers  # only the commands build a run
 
 
@@ -141,7 +141,7 @@ def test_no_function_over_80_lines_or_8_parameters():
 
 
 def test_rollout_keeps_only_a_steps_sampling():
-    assert len((PACKAGE / "rollout.py").read_text().splitlines()) <= 400
+    assert len((PACKAGE / "step" / "rollout.py").read_text().splitlines()) <= 400
 
 
 def test_every_engine_implements_the_whole_protocol():
@@ -185,10 +185,10 @@ def test_every_subpackage_ships_in_the_wheel():
 
 def test_one_worker_protocol():
     """A worker's call protocol (start and call limits, the kill on a timeout, the failure kinds) is written once,
-    in rewards.worker.Worker; the process-launching classes supply a transport only (issue 66: RewardWorker and
+    in tools.worker.Worker; the process-launching classes supply a transport only (issue 66: RewardWorker and
     the sandbox's worker were two implementations of it)."""
-    from grpo_cli.rewards.worker import RewardWorker, Worker
-    from grpo_cli.tools.sandbox import SandboxedWorker
+    from grpo_cli.tools.sandbox_worker import SandboxedWorker
+    from grpo_cli.tools.worker import RewardWorker, Worker
 
     transports = {RewardWorker, SandboxedWorker}
     assert all(issubclass(cls, Worker) for cls in transports)
@@ -198,3 +198,51 @@ def test_one_worker_protocol():
                  if isinstance(cls, ast.ClassDef) and cls.name != "Worker"
                  and any(isinstance(f, ast.FunctionDef) and f.name == "_launch" for f in cls.body)]
     assert sorted(launching) == ["RewardWorker", "SandboxedWorker"]  # no third worker beside them
+
+
+ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
+MAX_MODULE_LINES = 500
+MAX_TOP_LEVEL_MODULES = 12  # .py files directly in grpo_cli/, __init__ and __main__ not counted
+
+
+def box(module: str) -> str:
+    """The part of the layout a module belongs to: its top-level package (`step/`) or its top-level module
+    (`train.py`)."""
+    top = module.split(".")[1] if "." in module else "__init__"
+    return f"{top}/" if (PACKAGE / top).is_dir() else f"{top}.py"
+
+
+def floors() -> dict[str, int]:
+    """docs/architecture.md's floor table: each package or top-level module -> its floor."""
+    found = {}
+    for row in ARCHITECTURE.read_text().splitlines():
+        cells = [c.strip() for c in row.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[0].lstrip("-").isdigit():
+            for name in cells[1].replace("`", "").split(","):
+                found[name.strip()] = int(cells[0])
+    return found
+
+
+def test_floors_reads_the_page_and_box_names_a_module_by_its_top():
+    table = floors()
+    assert table["cli/"] > table["step/"] > table["algorithm/"] and table["errors.py"] == table["algorithm/"]
+    assert box("grpo_cli.step.update") == "step/" and box("grpo_cli.train") == "train.py"
+
+
+def test_imports_run_down_the_floors_of_docs_architecture():
+    """Every import between two parts of the layout runs from a higher floor to a lower one, and the page names
+    every part there is (issue 66: the flat package had 18 floors and no rule)."""
+    table, graph = floors(), import_graph()
+    parts = {box(m) for m in graph if m != "grpo_cli" and box(m) != "__main__.py"}
+    assert parts == set(table), (sorted(parts - set(table)), sorted(set(table) - parts))
+    upward = [f"{a} -> {b}" for a, targets in graph.items() for b in targets
+              if box(a) != box(b) and box(a) in table and table[box(a)] <= table[box(b)]]
+    assert not upward, upward
+
+
+def test_a_small_top_level_and_no_long_module():
+    top = [p.name for p in PACKAGE.glob("*.py") if p.name not in ("__init__.py", "__main__.py")]
+    assert len(top) <= MAX_TOP_LEVEL_MODULES, sorted(top)
+    long = {str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not long, long

@@ -17,14 +17,14 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_bad_lora_settings_name_their_key_before_any_model_loads(cli, monkeypatch):
-    import grpo_cli.checkpoint
-    import grpo_cli.setup  # imported here first, it would bind the stand-in below for the rest of the session
+    import grpo_cli.step.setup  # imported here first, it would bind the stand-in below for the rest of the session
+    import grpo_cli.weights.checkpoint
 
     def no_model(*args, **kwargs):
         raise AssertionError("a model was loaded before the settings were checked")
 
-    monkeypatch.setattr(grpo_cli.checkpoint, "load_policy", no_model)
-    monkeypatch.setattr(grpo_cli.setup, "load_policy", no_model)  # where the run calls it
+    monkeypatch.setattr(grpo_cli.weights.checkpoint, "load_policy", no_model)
+    monkeypatch.setattr(grpo_cli.step.setup, "load_policy", no_model)  # where the run calls it
     for args, message in [
         (["model.lora.rank=0"], "model.lora.rank: is 0; it must be >= 1"),
         (["model.lora.rank=8", "model.lora.alpha=0"], "model.lora.alpha: must be > 0"),
@@ -42,11 +42,11 @@ def test_bad_lora_settings_name_their_key_before_any_model_loads(cli, monkeypatc
 def lora_state(model_dir: Path, rank: int = 4):
     """A RunState for the update on `model_dir` with LoRA adapters (seeded A; B = 0) and no reference model, the
     config it runs with (kl_coef 0.1, 2 optimizer steps per batch) and a batch of the shipped tokenizer's ids."""
-    from grpo_cli.checkpoint import load_policy
     from grpo_cli.config import LoraConfig, ModelConfig, RewardSpec, RolloutConfig, TrainConfig, TrainerConfig
     from grpo_cli.dist import Dist
-    from grpo_cli.lora import with_adapters
-    from grpo_cli.state import RunState
+    from grpo_cli.step.state import RunState
+    from grpo_cli.weights.checkpoint import load_policy
+    from grpo_cli.weights.lora import with_adapters
 
     lora = LoraConfig(rank=rank, alpha=2 * rank)
     cfg = TrainConfig(task="t", rewards=[RewardSpec(name="correct")], model=ModelConfig(lora=lora),
@@ -63,11 +63,11 @@ def lora_state(model_dir: Path, rank: int = 4):
 
 def one_step(state, cfg, seed: int):
     """fill_logprobs + update on a random [3, 4] batch; the batch (its micro-batches hold the reference logprobs)."""
-    from grpo_cli.batch import TrainBatch
-    from grpo_cli.collect import Groups
     from grpo_cli.engines.base import Rollouts
     from grpo_cli.rewards import RewardFailures, Scores
-    from grpo_cli.update import fill_logprobs, loss_params, update
+    from grpo_cli.step.batch import TrainBatch
+    from grpo_cli.step.collect import Groups
+    from grpo_cli.step.update import fill_logprobs, loss_params, update
 
     g = torch.Generator().manual_seed(seed)
     P, G = 3, 4
@@ -90,9 +90,9 @@ def test_only_the_adapters_train_and_the_reference_is_the_base_model_exactly(shi
     """Three updates on the shipped model: every base weight bit-identical to the file's, the adapters moved,
     and the reference logprobs (the policy with its adapters off) equal to the plain base model's, bit for bit,
     while the policy's own differ."""
-    from grpo_cli import passes
-    from grpo_cli.checkpoint import checkpoint_weights, load_policy
-    from grpo_cli.update import batch_logprobs
+    from grpo_cli.algorithm import passes
+    from grpo_cli.step.update import batch_logprobs
+    from grpo_cli.weights.checkpoint import checkpoint_weights, load_policy
 
     state, cfg = lora_state(shipped_model_dir)
     for seed in range(3):
@@ -123,9 +123,9 @@ def test_the_merged_push_and_the_adapter_files_give_the_policy_s_logprobs(shippe
     the policy's logprobs."""
     from peft import PeftModel, get_peft_model_state_dict
 
-    from grpo_cli import passes
-    from grpo_cli.checkpoint import is_adapter_dir, load_policy, load_tokenizer, save_checkpoint
-    from grpo_cli.lora import adapter_tensors, merged_checkpoint_tensors, merged_tensors
+    from grpo_cli.algorithm import passes
+    from grpo_cli.weights.checkpoint import is_adapter_dir, load_policy, load_tokenizer, save_checkpoint
+    from grpo_cli.weights.lora import adapter_tensors, merged_checkpoint_tensors, merged_tensors
 
     state, cfg = lora_state(shipped_model_dir, rank=8)
     for seed in range(2):
@@ -151,8 +151,8 @@ def test_the_merged_push_and_the_adapter_files_give_the_policy_s_logprobs(shippe
 
 
 def test_grpo_merge_writes_a_whole_model_and_names_what_is_wrong(cli, shipped_model_dir, tmp_path):
-    from grpo_cli import passes
-    from grpo_cli.checkpoint import checkpoint_info, load_policy, load_tokenizer, save_checkpoint
+    from grpo_cli.algorithm import passes
+    from grpo_cli.weights.checkpoint import checkpoint_info, load_policy, load_tokenizer, save_checkpoint
 
     state, cfg = lora_state(shipped_model_dir)
     one_step(state, cfg, seed=0)
@@ -231,11 +231,11 @@ def test_vllm_serves_the_pushed_adapters_and_evaluates_adapter_checkpoints(tmp_p
 # did not get is seen by the exact check and the logprob check, and the next push clears both.
 STALE_ADAPTER = r"""
 import sys, torch
-from grpo_cli.checkpoint import load_policy, resolve_model_path
+from grpo_cli.weights.checkpoint import load_policy, resolve_model_path
 from grpo_cli.config import LoraConfig, ModelConfig, RolloutConfig
-from grpo_cli.lora import with_adapters
+from grpo_cli.weights.lora import with_adapters
 from grpo_cli.engines.vllm import VLLMEngine
-from grpo_cli.sync import exact_push_check, push, push_check
+from grpo_cli.step.sync import exact_push_check, push, push_check
 
 path = resolve_model_path("builtin:bike_base")
 lora = LoraConfig(rank=8)

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from grpo_cli import config as schema
-from grpo_cli import grpo, passes
-from grpo_cli.grpo import LOSSES, LossInputs, LossParams
+from grpo_cli.algorithm import grpo, passes
+from grpo_cli.algorithm.grpo import LOSSES, LossInputs, LossParams
 
 
 def test_config_names_are_the_tables():

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 
 from grpo_cli.config import LoggingConfig
-from grpo_cli.console import PlainConsole, make_console, summary_lines
-from grpo_cli.loggers import FanoutLogger, JsonlLogger, NullLogger, make_logger, wandb_mode
+from grpo_cli.report.console import PlainConsole, make_console, summary_lines
+from grpo_cli.report.loggers import FanoutLogger, JsonlLogger, NullLogger, make_logger, wandb_mode
+from grpo_cli.report.watch import ZeroVarianceWatch
 from grpo_cli.runtime import QUIET_ENV
-from grpo_cli.watch import ZeroVarianceWatch
 
 REPO = Path(__file__).resolve().parents[1]
 ANSI = "\x1b["
@@ -120,7 +120,7 @@ def test_plain_console_eval_step_samples_and_warnings_are_plain_lines():
 
 def test_console_through_a_pipe_is_plain():
     code = (
-        "from grpo_cli.console import make_console\n"
+        "from grpo_cli.report.console import make_console\n"
         "c = make_console(4, 2)\n"
         "c.start()\n"
         "for s in range(1, 5):\n"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from grpo_cli.plot import plot_runs, read_metrics
+from grpo_cli.report.plot import plot_runs, read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -112,7 +112,7 @@ def test_grpo_plot_appears_in_help(cli):
 
 
 def test_smoothing_keeps_the_level_and_damps_the_noise():
-    from grpo_cli.plot import smooth
+    from grpo_cli.report.plot import smooth
 
     assert smooth([0.4] * 5) == pytest.approx([0.4] * 5)  # a constant stays constant, from the first step
     noisy = [0.0, 1.0] * 50
@@ -130,7 +130,7 @@ def test_a_first_plot_on_a_machine_logs_no_font_cache_line(tmp_path):
     (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "reward/mean": s / 10}) + "\n"
                                                for s in range(5)))
     code = ("import logging, sys\nlogging.basicConfig(level=logging.INFO, stream=sys.stdout)\n"
-            "from grpo_cli.plot import plot_runs\n"
+            "from grpo_cli.report.plot import plot_runs\n"
             f"plot_runs([{str(run)!r}], {str(run / 'm.png')!r})\nprint('plotted')\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                          env={**os.environ, "MPLCONFIGDIR": str(tmp_path / "mpl")})

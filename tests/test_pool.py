@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from grpo_cli.config import ConfigError, SamplerConfig
-from grpo_cli.data import PromptCursor
 from grpo_cli.errors import UsageError
-from grpo_cli.pool import KEEP, PromptPool, column_values
+from grpo_cli.prompts.pool import KEEP, PromptPool, column_values
+from grpo_cli.prompts.rows import PromptCursor
 
 
 def true_rate(row: int) -> float:

@@ -108,8 +108,8 @@ def only_run_dir(workdir: Path, out: str) -> Path:
 
 
 def test_atomic_save_leaves_previous_checkpoint_usable(workdir, tmp_path, monkeypatch):
-    from grpo_cli.checkpoint import load_policy, load_tokenizer, save_checkpoint
-    from grpo_cli.runs import step_checkpoints
+    from grpo_cli.weights.checkpoint import load_policy, load_tokenizer, save_checkpoint
+    from grpo_cli.weights.runs import step_checkpoints
 
     model, tokenizer = load_policy(str(workdir / "tiny"), "float32"), load_tokenizer(str(workdir / "tiny"))
     run_dir = tmp_path / "run"
@@ -251,7 +251,7 @@ def test_ctrl_c_checkpoints_and_exits_130(workdir):
     stdout, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 130, stderr[-2000:]
     run_dir = only_run_dir(workdir, "interrupted")
-    from grpo_cli.runs import step_checkpoints
+    from grpo_cli.weights.runs import step_checkpoints
 
     saved = step_checkpoints(run_dir)
     assert saved, "Ctrl-C wrote no checkpoint"
@@ -412,8 +412,8 @@ def test_pruning_counts_only_complete_checkpoints(tmp_path, tiny_model_dir):
     resuming and `grpo eval` list checkpoints by one rule, so the newest complete one is always kept."""
     import shutil
 
-    from grpo_cli.checkpoint import load_policy, load_tokenizer, save_checkpoint
-    from grpo_cli.runs import prune_checkpoints, step_checkpoints
+    from grpo_cli.weights.checkpoint import load_policy, load_tokenizer, save_checkpoint
+    from grpo_cli.weights.runs import prune_checkpoints, step_checkpoints
 
     model, tokenizer = load_policy(str(tiny_model_dir), "float32"), load_tokenizer(str(tiny_model_dir))
     root = tmp_path / "checkpoints"
@@ -445,7 +445,7 @@ def test_every_rank_resumes_from_rank_0s_checkpoint_or_all_fail_in_one_line(tmp_
     at step 0 from the base weights while rank 0 resumed at step N (issue 66, defect 3)."""
     from grpo_cli.config import RewardSpec, TrainConfig
     from grpo_cli.errors import UsageError
-    from grpo_cli.setup import agreed_checkpoint, resume_or_start
+    from grpo_cli.step.setup import agreed_checkpoint, resume_or_start
 
     cfg = TrainConfig(task="t", rewards=[RewardSpec(name="correct")], resume="auto")
     with pytest.raises(UsageError) as info:

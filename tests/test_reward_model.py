@@ -10,9 +10,9 @@ import torch
 
 from grpo_cli.config import ConfigError, RewardSpec, TrainConfig, check_reward_spec
 from grpo_cli.errors import UsageError
-from grpo_cli.model_files import resolve_model_path
 from grpo_cli.rewards import RewardFailures, SampleContext, load_rewards, score
 from grpo_cli.rewards.model import RewardModel
+from grpo_cli.weights.model_files import resolve_model_path
 
 PROMPTS = ["A bike costs $12 an hour. What do 3 hours cost?", "What is 2 + 2?", "Price of a day?"]
 COMPLETIONS = ["3 x 12 = 36\nAnswer: $36", "Answer: 5", "It depends."]
@@ -165,7 +165,7 @@ class Ranks:
 
 
 def test_at_two_ranks_rank_0_starts_the_one_reward_server_and_both_ranks_use_it(tmp_path, monkeypatch):
-    import grpo_cli.served as served
+    import grpo_cli.engines.served as served
     from grpo_cli.rewards.load import close_reward_models, place_reward_models
 
     path = classifier(tmp_path)
@@ -323,8 +323,8 @@ def test_a_judge_on_a_real_vllm_server_scores_its_parsed_replies_and_fails_the_u
     from conftest import CHATML_TEMPLATE
     from transformers import AutoTokenizer
 
+    from grpo_cli.engines.served import post_json
     from grpo_cli.rewards.judge import CUT_MARKER
-    from grpo_cli.served import post_json
 
     chat_model = tmp_path / "bike_chat"  # the shipped bike model with ChatML: a chat model's files
     shutil.copytree(resolve_model_path("builtin:bike_base"), chat_model)
@@ -407,7 +407,7 @@ def test_a_served_reward_model_scores_as_in_process_and_a_run_whose_server_dies_
     from pathlib import Path
 
     from grpo_cli.cli import load_config
-    from grpo_cli.data import load_splits
+    from grpo_cli.prompts.rows import load_splits
 
     cfg = load_config("train", ["recipe=bike_pricing_rm"])
     rows = load_splits(cfg.data)[1][:6]
@@ -503,7 +503,7 @@ def test_a_started_server_runs_on_the_trainers_device_with_its_memory_named(tmp_
     import torch
 
     import grpo_cli.engines.options
-    from grpo_cli import served
+    from grpo_cli.engines import served
     from grpo_cli.errors import RunFailure
 
     started = []
@@ -531,9 +531,9 @@ def test_every_served_model_retries_by_one_rule_and_a_teacher_stops_the_run(tmp_
     import json
     import threading
 
+    from grpo_cli.engines.served import ask
     from grpo_cli.errors import RunFailure, Unreachable
-    from grpo_cli.served import ask
-    from grpo_cli.teacher import ServedTeacher
+    from grpo_cli.rewards.teacher import ServedTeacher
 
     answers = []  # what the server says next: an HTTP status, or a JSON body
 

@@ -149,7 +149,7 @@ def test_the_prompt_reaches_the_worker():
 
 def test_a_lambda_cannot_run_in_a_worker_and_says_so():
     from grpo_cli.rewards import WeightedReward
-    from grpo_cli.rewards.worker import RewardWorker
+    from grpo_cli.tools.worker import RewardWorker
 
     fn = lambda completions, **kw: [1.0] * len(completions)  # noqa: E731
     reward = WeightedReward("lam", fn, 1.0, {}, 1.0, "zero", worker=RewardWorker("lam", fn, 1.0))

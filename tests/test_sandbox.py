@@ -23,8 +23,9 @@ import pytest
 
 from grpo_cli.config import ToolSpec
 from grpo_cli.errors import UsageError
-from grpo_cli.tools import builtin, sandbox
+from grpo_cli.tools import builtin, cgroups, sandbox, uids
 from grpo_cli.tools.load import call_tool, load_tools
+from grpo_cli.tools.sandbox_worker import SandboxedWorker
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -312,7 +313,7 @@ def test_a_trusted_tools_worker_in_the_sandbox_reaches_nothing_of_the_host(tmp_p
     server.setblocking(False)
     (tool,) = load_tools([ToolSpec(function="test_sandbox:snoops", timeout_s=30, sandbox="bwrap")])
     try:
-        assert type(tool.worker) is sandbox.SandboxedWorker
+        assert type(tool.worker) is SandboxedWorker
         result = call_tool(tool, f"127.0.0.1|{server.getsockname()[1]}|{secret}")
         with pytest.raises(BlockingIOError):  # nothing knocked
             server.accept()
@@ -578,7 +579,7 @@ def test_a_part_the_machine_lacks_fails_closed_in_one_line(monkeypatch):
     from grpo_cli.tools import seccomp
 
     def forget():
-        for cached in (sandbox.problem, sandbox.spare_ids, seccomp.program, sandbox.keyring_boot):
+        for cached in (sandbox.problem, uids.spare_ids, seccomp.program, seccomp.keyring_boot):
             cached.cache_clear()
 
     def missing():
@@ -587,7 +588,7 @@ def test_a_part_the_machine_lacks_fails_closed_in_one_line(monkeypatch):
     try:
         if os.geteuid() == 0:
             forget()
-            monkeypatch.setattr(sandbox, "SPARE_HOST_IDS", range(0, 1))  # root's own: taken
+            monkeypatch.setattr(uids, "SPARE_HOST_IDS", range(0, 1))  # root's own: taken
             assert sandbox.problem().startswith("no spare uid in 0-0 for the code to run as")
             monkeypatch.undo()
         forget()
@@ -924,23 +925,23 @@ def test_a_lease_left_by_a_killed_trainer_is_recovered_with_its_processes_killed
     """A trainer SIGKILLed while it holds a uid leaves no lease (the kernel drops its lock) but may leave that
     uid's processes: the next trainer's first lease kills them and marks the uid clean."""
     sandbox.settle()  # this process's own leases given back
-    holder = subprocess.Popen([sys.executable, "-c", "from grpo_cli.tools import sandbox; import time; "
-                               "print(sandbox.lease_uid().uid, flush=True); time.sleep(60)"],
+    holder = subprocess.Popen([sys.executable, "-c", "from grpo_cli.tools import uids; import time; "
+                               "print(uids.lease_uid().uid, flush=True); time.sleep(60)"],
                               stdout=subprocess.PIPE, text=True, cwd=REPO)
     try:
         uid = int(holder.stdout.readline())
         leftover = subprocess.Popen(["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "sleep", "60"])
         time.sleep(0.3)
-        assert leftover.pid in sandbox.uid_processes(uid)
+        assert leftover.pid in uids.uid_processes(uid)
     finally:
         holder.kill()  # SIGKILL: no cleanup of its own
         holder.wait()
-    assert (sandbox.LEASE_DIR / str(uid)).read_bytes()[:1] == b"1"  # marked in use when it died
-    sandbox._recover_leases.cache_clear()  # as in a trainer started now
-    lease = sandbox.lease_uid()
+    assert (uids.LEASE_DIR / str(uid)).read_bytes()[:1] == b"1"  # marked in use when it died
+    uids._recover_leases.cache_clear()  # as in a trainer started now
+    lease = uids.lease_uid()
     try:
-        assert sandbox.uid_processes(uid) == [] and leftover.wait(5) == -9
-        assert (sandbox.LEASE_DIR / str(uid)).read_bytes()[:1] == (b"1" if lease.uid == uid else b"0")
+        assert uids.uid_processes(uid) == [] and leftover.wait(5) == -9
+        assert (uids.LEASE_DIR / str(uid)).read_bytes()[:1] == (b"1" if lease.uid == uid else b"0")
     finally:
         lease.give_back()
 
@@ -973,7 +974,7 @@ print(json.dumps(seen))
 def test_a_stray_cgroup_name_does_not_stop_calls():
     """A folder named like a call's cgroup but not one (no pid in its name) beside the calls' cgroups made every
     call fail while it looked for orphans to remove."""
-    _, parents = sandbox._cgroup_parents()
+    _, parents = cgroups._cgroup_parents()
     stray = next(iter(parents.values())) / "grpo-sandbox-stray-0"
     stray.mkdir()
     try:
@@ -983,20 +984,19 @@ def test_a_stray_cgroup_name_does_not_stop_calls():
 
 
 def test_one_sweeper_removes_the_folders_of_dead_processes_only(tmp_path):
-    """sandbox.sweep_stale is the one sweeper of per-process folders (a call's cgroup, a `sandbox: none` home;
+    """cgroups.sweep_stale is the one sweeper of per-process folders (a call's cgroup, a `sandbox: none` home;
     issue 66): a folder whose creator is gone goes, one of a live process or of this one stays."""
     import shutil
 
-    from grpo_cli.tools import sandbox
 
     dead = next(pid for pid in range(4_000_000, 4_100_000) if not Path(f"/proc/{pid}").exists())
     names = {"dead": f"grpo-python-{dead}-ab", "mine": f"grpo-python-{os.getpid()}-cd", "init": "grpo-python-1-ef",
              "other": f"grpo-sandbox-{dead}-1"}
     for name in names.values():
         (tmp_path / name / "inside").mkdir(parents=True)
-    sandbox.sweep_stale(tmp_path, "grpo-python-", shutil.rmtree)
+    cgroups.sweep_stale(tmp_path, "grpo-python-", shutil.rmtree)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(v for k, v in names.items() if k != "dead")
-    sandbox.sweep_stale(tmp_path, "grpo-sandbox-", Path.rmdir)  # rmdir fails on a folder with files: left for later
+    cgroups.sweep_stale(tmp_path, "grpo-sandbox-", Path.rmdir)  # rmdir fails on a folder with files: left for later
     assert (tmp_path / names["other"]).is_dir()
 
 

@@ -6,17 +6,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpo_cli.batch import TrainBatch
-from grpo_cli.collect import Groups
+from grpo_cli.algorithm.grpo import LossParams
 from grpo_cli.config import SamplerConfig, TrainerConfig
-from grpo_cli.data import PromptCursor
 from grpo_cli.dist import Dist
 from grpo_cli.engines.base import Rollouts
-from grpo_cli.grpo import LossParams
-from grpo_cli.pool import PromptPool
+from grpo_cli.prompts.pool import PromptPool
+from grpo_cli.prompts.rows import PromptCursor
+from grpo_cli.report.watch import NonFiniteGuard
 from grpo_cli.rewards import RewardFailures, Scores
-from grpo_cli.update import DeviceSums
-from grpo_cli.watch import NonFiniteGuard
+from grpo_cli.step.batch import TrainBatch
+from grpo_cli.step.collect import Groups
+from grpo_cli.step.update import DeviceSums
 
 
 def test_cursor_walks_a_seeded_order_then_reshuffles_per_epoch():
@@ -96,7 +96,7 @@ def test_minibatches_split_whole_groups_and_truncated_completions_can_leave():
 
 
 def test_device_sums_weight_token_means_by_tokens_and_keep_every_key():
-    from grpo_cli.grpo import LossStats
+    from grpo_cli.algorithm.grpo import LossStats
 
     sums = DeviceSums()
     sums.add_stats(LossStats(("kl", "new_term", "tokens"), torch.tensor([0.1, 2.0, 3.0])))
@@ -152,7 +152,7 @@ def test_a_batch_that_does_not_split_over_the_processes_is_refused_before_any_mo
 
 
 def test_each_rank_takes_a_contiguous_share_and_the_shares_cover_everything():
-    from grpo_cli.batch import rank_share
+    from grpo_cli.step.batch import rank_share
 
     shares = [Dist(rank=r, world_size=3).share(8) for r in range(3)]
     assert shares == [range(0, 3), range(3, 6), range(6, 8)]
@@ -163,7 +163,7 @@ def stage_state(**parts):
     """A RunState that holds only what the stage under test reads (the rest None), at world size 1."""
     import dataclasses
 
-    from grpo_cli.state import RunState
+    from grpo_cli.step.state import RunState
 
     unset = {f.name: None for f in dataclasses.fields(RunState) if f.name not in ("best_pass", "history")}
     return RunState(**{**unset, "dist": Dist(), **parts})
@@ -182,8 +182,8 @@ def run_update(micro_batch_size: int, ppo_epochs: int = 2, minibatches: int = 2,
     """One training step's update on a fixed synthetic batch; returns the weights after it and the stats.
     `around` runs the update itself (a test counts what happens inside it)."""
     from grpo_cli.config import RewardSpec, RolloutConfig, TrainConfig
-    from grpo_cli.optim import build_optimizer
-    from grpo_cli.update import fill_logprobs, loss_params, update
+    from grpo_cli.step.optim import build_optimizer
+    from grpo_cli.step.update import fill_logprobs, loss_params, update
 
     g = torch.Generator().manual_seed(1)
     P, G = 4, 4
@@ -242,7 +242,7 @@ def synthetic_groups(P: int = 3, G: int = 4, seed: int = 1):
 
 def sgd_update(groups, cfg):
     """One update of a fresh tiny policy on `groups` with plain SGD; returns the weights and the batch."""
-    from grpo_cli.update import fill_logprobs, loss_params, update
+    from grpo_cli.step.update import fill_logprobs, loss_params, update
 
     policy = tiny_policy()
     optimizer = torch.optim.SGD(policy.parameters(), lr=cfg.trainer.lr)
@@ -260,7 +260,7 @@ def test_the_mismatch_metric_reads_only_the_samples_that_brought_their_logprobs_
     tokens (as if only they were in the batch), None when no sample has any, and the update is the same bits."""
     import math
 
-    from grpo_cli.update import fill_logprobs, loss_params, update
+    from grpo_cli.step.update import fill_logprobs, loss_params, update
 
     def run(groups):
         cfg = loop_cfg(3, micro_batch_size=64)
@@ -288,7 +288,7 @@ def test_the_mismatch_metric_reads_only_the_samples_that_brought_their_logprobs_
 def test_seq_mask_rejection_is_the_update_without_the_rejected_samples():
     """A sample rejected by trainer.mismatch_correction=seq_mask leaves the loss and the normalizer: the
     update equals the one where those samples never entered the batch."""
-    from grpo_cli.update import batch_logprobs
+    from grpo_cli.step.update import batch_logprobs
 
     P, G = 3, 4
     groups = synthetic_groups(P, G)
@@ -315,15 +315,15 @@ def test_seq_mask_rejection_is_the_update_without_the_rejected_samples():
 def test_kl_in_reward_keeps_dropped_samples_out_of_their_groups_statistics():
     """With trainer.kl_in_reward, the advantages recomputed from the penalised rewards leave the samples a
     reward with on_failure=drop failed on out of their group's mean and std, as the normal path does."""
-    from grpo_cli import grpo
-    from grpo_cli.update import fill_logprobs
+    from grpo_cli.algorithm import grpo
+    from grpo_cli.step.update import fill_logprobs
 
     P, G = 2, 4
     groups = synthetic_groups(P, G)
     groups.reward = torch.tensor([[1.0, 0.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]])
     groups.dropped = torch.tensor([[False, True, False, False], [False, False, False, False]])
     cfg = loop_cfg(P, kl_coef=0.5, kl_in_reward=True)
-    from grpo_cli.update import loss_params
+    from grpo_cli.step.update import loss_params
 
     batch = TrainBatch.build(groups, 0, cfg.trainer, Dist(), loss_params(cfg))
     fill_logprobs(stage_state(policy=tiny_policy(), reference=tiny_policy(seed=1)), batch, groups, cfg)
@@ -345,8 +345,8 @@ def hf_engine(tmp_path_factory):
     """transformers generate on a tiny random model with the shipped tokenizer: a real engine, in seconds."""
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
-    from grpo_cli.checkpoint import resolve_model_path
     from grpo_cli.engines.hf import HFEngine
+    from grpo_cli.weights.checkpoint import resolve_model_path
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("builtin:bike_base"))
     torch.manual_seed(0)
@@ -362,11 +362,11 @@ def even_rows_solved(completions, id, **kwargs):
 
 
 def test_dynamic_sampling_adds_rounds_until_enough_groups_have_signal(hf_engine):
-    from grpo_cli.collect import collect_groups
     from grpo_cli.config import DataConfig, RewardSpec, RolloutConfig, TrainConfig
     from grpo_cli.rewards import WeightedReward
-    from grpo_cli.state import Task
-    from grpo_cli.timer import StepTimer
+    from grpo_cli.step.collect import collect_groups
+    from grpo_cli.step.state import Task
+    from grpo_cli.step.timer import StepTimer
 
     engine, tokenizer = hf_engine
     rows = [{"id": i, "question": f"q{i}"} for i in range(40)]
@@ -403,8 +403,8 @@ def test_dynamic_sampling_adds_rounds_until_enough_groups_have_signal(hf_engine)
 
 def test_the_optimizer_state_round_trips_exactly_with_two_parameter_groups(tmp_path):
     """AdamW's moments go to optimizer/ by parameter name (torch.distributed.checkpoint) and come back exactly."""
-    from grpo_cli.checkpoint import load_optimizer, save_optimizer
-    from grpo_cli.optim import build_optimizer
+    from grpo_cli.step.optim import build_optimizer
+    from grpo_cli.weights.checkpoint import load_optimizer, save_optimizer
 
     policy = tiny_policy()
     optimizer, _ = build_optimizer(policy, TrainerConfig(norm_lr_scale=0.5))  # two groups: norms, the rest
@@ -461,7 +461,7 @@ def test_the_prompt_gradient_builds_up_in_float32_when_the_prompt_states_are_bf1
     """Under bf16 autocast on a GPU the shared prompt pass's states come out bf16 (on the CPU the cache keeps
     them in float32, so they are cast here, inside the graph): their gradient leaves are float32, so the
     sum over micro-batches rounds once, and the backward through the prompt pass takes it in bf16."""
-    from grpo_cli import passes
+    from grpo_cli.algorithm import passes
 
     policy = tiny_policy()
     prompt_ids = torch.tensor([[3, 4, 5, 6], [7, 8, 9, 0]])  # [P, Tp] right-padded

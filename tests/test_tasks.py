@@ -88,7 +88,7 @@ def test_gsm8k_recipe_runs_on_local_rows_with_math_verify_and_a_chat_template(tm
     from transformers import AutoTokenizer
 
     from grpo_cli.cli import load_config
-    from grpo_cli.prompts import render_row
+    from grpo_cli.prompts.templates import render_row
 
     cfg = load_config("train", ["recipe=gsm8k"])
     row = json.loads((FIXTURES / "gsm8k_train.jsonl").read_text().splitlines()[0])

@@ -20,9 +20,9 @@ from grpo_cli.config import ConfigError, RolloutConfig, ToolSpec
 from grpo_cli.engines.base import Completion, Rollouts, Sampling
 from grpo_cli.engines.tools import ToolCaps, ToolEngine, cut_at_stop, with_tools
 from grpo_cli.errors import UsageError
+from grpo_cli.step.tool_metrics import tool_metrics
 from grpo_cli.tools import TagFormat, ToolFailed, calculator, load_tools
 from grpo_cli.tools.load import call_tool, close_tools
-from grpo_cli.tools.metrics import tool_metrics
 from grpo_cli.tools.result import MAX_RESULT_CHARS
 
 
@@ -594,7 +594,7 @@ def test_on_vllm_a_sample_that_never_calls_is_the_single_turn_sample(vllm_engine
     """The tool loop sends sample g of prompt p as its own request seeded seeds[p] + g, the seed vLLM gives it
     inside an n = G request: with a tool the shipped model never calls, every trajectory is the plain sample."""
     from grpo_cli.config import DataConfig
-    from grpo_cli.prompts import render_row
+    from grpo_cli.prompts.templates import render_row
 
     tokenizer = vllm_engine.tokenizer
     prompts = [tokenizer(render_row(problem.to_row(), DataConfig(), tokenizer, None), add_special_tokens=False)
@@ -822,7 +822,7 @@ def test_tool_tokens_are_attended_but_get_exactly_zero_gradient(tiny_model_dir):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from grpo_cli import grpo, passes
+    from grpo_cli.algorithm import grpo, passes
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).float()
@@ -859,12 +859,12 @@ def test_tool_tokens_are_attended_but_get_exactly_zero_gradient(tiny_model_dir):
 def test_the_train_batch_masks_tool_tokens_out_of_the_loss_and_the_normalizer():
     import torch
 
-    from grpo_cli.batch import TrainBatch
-    from grpo_cli.collect import Groups
+    from grpo_cli.algorithm.grpo import LossParams
     from grpo_cli.config import TrainerConfig
     from grpo_cli.dist import Dist
-    from grpo_cli.grpo import LossParams
     from grpo_cli.rewards import RewardFailures, Scores
+    from grpo_cli.step.batch import TrainBatch
+    from grpo_cli.step.collect import Groups
 
     rollouts = Rollouts([[1, 2]], [[[3, 4, 5, 6, 7], [8, 9]]], [[[-1.0, -1.0, 0.0, 0.0, -1.0], [-1.0, -1.0]]],
                         [["a", "b"]], [[False, False]], model_mask=[[[1, 1, 0, 0, 1], [1, 1]]],
@@ -1198,7 +1198,7 @@ def test_on_vllm_slow_calls_leave_the_other_samples_decoding_and_change_no_sampl
     trajectories and the engine's logprobs are those of the prompt calculator, bit for bit (the replies rejoin
     at the engine steps tools.pool's rule gives), and the slow calls ran side by side."""
     from grpo_cli.config import DataConfig
-    from grpo_cli.prompts import render_row
+    from grpo_cli.prompts.templates import render_row
 
     tokenizer = vllm_engine.tokenizer
     prompts = [tokenizer(render_row(problem.to_row(), DataConfig(), tokenizer, None), add_special_tokens=False)
@@ -1288,7 +1288,7 @@ class Broken(ToolEngine):
 
 def test_a_generate_that_fails_half_way_leaves_no_request_in_the_engine(vllm_engine, bike_splits):
     from grpo_cli.config import DataConfig
-    from grpo_cli.prompts import render_row
+    from grpo_cli.prompts.templates import render_row
 
     tokenizer = vllm_engine.tokenizer
     prompts = [tokenizer(render_row(problem.to_row(), DataConfig(), tokenizer, None), add_special_tokens=False)
@@ -1460,7 +1460,7 @@ def test_evaluation_continuation_seeds_never_land_among_trainings():
     training's seeds that evaluation's own slots moved them out of (issue 66). Training's stay where the shipped
     tool curves were sampled."""
     from grpo_cli.engines.tools import call_seed
-    from grpo_cli.rollout import sample_seeds
+    from grpo_cli.step.rollout import sample_seeds
 
     for prompts, group in [(1, 1), (8, 8), (64, 16), (512, 64)]:
         for stream in (1, 2, 64):  # evaluation, the first and last dynamic-sampling rounds
@@ -1475,8 +1475,8 @@ def test_evaluation_continuation_seeds_never_land_among_trainings():
 def test_on_vllm_evaluation_seeds_sample_tool_continuations(vllm_engine, bike_splits):
     """vLLM takes the continuation seeds of evaluation's stream (up to 2**63) for the turns after a reply."""
     from grpo_cli.config import DataConfig
-    from grpo_cli.prompts import render_row
-    from grpo_cli.rollout import sample_seeds
+    from grpo_cli.prompts.templates import render_row
+    from grpo_cli.step.rollout import sample_seeds
 
     tokenizer = vllm_engine.tokenizer
     prompts = [tokenizer(render_row(problem.to_row(), DataConfig(), tokenizer, None), add_special_tokens=False)

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from grpo_cli.batch import make_micro_batches
+from grpo_cli.step.batch import make_micro_batches
 
 
 def test_every_sequence_lands_in_exactly_one_pass_shortest_first():
@@ -45,7 +45,7 @@ def test_param_groups_put_norm_gains_at_the_scaled_lr():
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from grpo_cli.optim import param_groups
+    from grpo_cli.step.optim import param_groups
 
     model = Qwen2ForCausalLM(Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                          num_attention_heads=2, num_key_value_heads=2, vocab_size=64))
@@ -68,7 +68,7 @@ def test_param_groups_put_norm_gains_at_the_scaled_lr():
 
 
 def test_lr_schedules_warm_up_then_hold_or_decay_to_zero():
-    from grpo_cli.schedules import LR_SCHEDULES
+    from grpo_cli.algorithm.schedules import LR_SCHEDULES
 
     total, warmup = 100, 10
     for name, fn in LR_SCHEDULES.items():
@@ -104,7 +104,7 @@ def test_no_two_samples_of_a_step_share_a_random_stream(num_prompts, group_size)
     has a seed of its own, for any run seed and step and at any batch size (8,192 samples a step once gave the
     held-out set training's seeds; 131,072 made neighbouring steps share them); a rank's slice of the seeds is
     the same slice at any world size, since the seeds are drawn for the whole step."""
-    from grpo_cli.rollout import sample_seeds
+    from grpo_cli.step.rollout import sample_seeds
 
     for run_seed in (0, 1, 12345):
         steps = {}

@@ -22,8 +22,9 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 from grpo_cli.runtime import cpu_threads
-from grpo_cli.served import LAUNCHER_PID_ENV  # the agent's pid, for a worker to see whether it is still there
 from grpo_cli.config import DistConfig
+
+LAUNCHER_PID_ENV = "GRPO_LAUNCHER_PID"  # the agent's pid, for a worker to see whether it is still there
 
 # How long the agent waits for the workers after a Ctrl-C (they end the step and checkpoint) or after
 # another worker failed (they are stuck in a collective) before it kills them:

@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
-from grpo_cli.passes import body_and_head
+from grpo_cli.algorithm.passes import body_and_head
 from grpo_cli.dist.ranks import Dist
 
 def fsdp_modules(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -6,7 +6,7 @@ rank makes the same calls and gets the same answers, as with an engine of its ow
 one contiguous share per generator, each sampled from its own seeds, so the samples do not depend on the number
 of generators. `start_generate` returns at once, so that the generators sample while the trainers step
 (rollout.max_staleness > 0). After each optimizer step the weights go out tensor by tensor, broadcast once to
-every generator (the fanout). The generator side, which answers these calls, is `grpo_cli.generator.serve`.
+every generator (the fanout). The generator side, which answers these calls, is `grpo_cli.step.generator.serve`.
 """
 
 from __future__ import annotations

@@ -43,8 +43,8 @@ from grpo_cli.engines.options import (
     prefill_waves,
     vllm_lora_rank,
 )
-from grpo_cli.lora import write_adapter
 from grpo_cli.runtime import set_threads
+from grpo_cli.weights.lora import write_adapter
 
 # vLLM, torch and safetensors are imported inside the functions that use them: grpo check and the config path
 # read engines.options beside this module and must not pay for them.
@@ -81,7 +81,7 @@ def in_process_engine_env() -> str | None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if previous not in (None, "0"):
         note = f"VLLM_ENABLE_V1_MULTIPROCESSING={previous} ignored: the engine runs in this process (weight push)"
-        logging.getLogger("grpo_cli.rollout").warning(note)
+        logging.getLogger("grpo_cli.step.rollout").warning(note)
         return note
     return None
 
@@ -129,7 +129,7 @@ class VLLMEngine(LeafEngine):
             self.adapters = "request"
             if self.sleep_enabled and self.sleep_level == 2:
                 self.sleep_level = adapter_sleep_level(self.sleep_level)
-                logging.getLogger("grpo_cli.rollout").warning(
+                logging.getLogger("grpo_cli.step.rollout").warning(
                     "rollout.sleep_level=2 drops vLLM's weights, and with the adapters pushed as LoRA requests "
                     "the base weights are never pushed again: sleeping at level 1 instead")
         try:
@@ -137,7 +137,7 @@ class VLLMEngine(LeafEngine):
         except ValueError as e:  # "Qwen3NextForCausalLM does not support LoRA yet.": push merged weights instead
             if "does not support LoRA" not in str(e):
                 raise
-            logging.getLogger("grpo_cli.rollout").warning(f"vLLM: {e}; pushing the merged weights instead")
+            logging.getLogger("grpo_cli.step.rollout").warning(f"vLLM: {e}; pushing the merged weights instead")
             kwargs = {k: v for k, v in kwargs.items() if k not in ("enable_lora", "max_lora_rank", "max_loras",
                                                                     "max_cpu_loras")}
             self.adapters = "merged"

@@ -2,18 +2,18 @@
 
 - answers.py: what final answer a completion states, one rule per `data.answer_format`.
 - builtin.py: the built-in reward functions (`correct`, `format`, `math_equal`, `countdown`, ...).
-- arithmetic.py: an exact arithmetic parser (never `eval`), for expressions a model writes.
 - load.py: a recipe's `rewards` list -> weighted, checked functions; the correctness check.
 - score.py: scoring completions per prompt's group, with failures counted instead of raised.
-- worker.py: a reward in a killable process, for `rewards[i].timeout_s`.
+- model.py, judge.py, fit.py: a learned reward model and an LLM judge, in process or served; cutting their input to fit.
+- teacher.py: the distillation teacher's per-token logprobs (`distill.teacher`).
 - cases.py: the `grpo reward` harness.
 
 A custom reward is `(completions: list[str], **columns) -> list[float]`; the names below are its
-toolkit (`from grpo_cli.rewards import final_answer`).
+toolkit (`from grpo_cli.rewards import final_answer`). A reward with `timeout_s` runs in grpo_cli.tools.worker's
+killable process; `parse_expression` is grpo_cli.tools.arithmetic's exact parser (never `eval`).
 """
 
 from grpo_cli.rewards.answers import ANSWER_FORMATS, as_text, final_answer, final_answers, parse_amount, to_cents
-from grpo_cli.rewards.arithmetic import parse_expression
 from grpo_cli.rewards.builtin import (
     BUILTIN_REWARDS,
     correct,
@@ -36,6 +36,7 @@ from grpo_cli.rewards.load import (
     validate_columns,
 )
 from grpo_cli.rewards.score import RewardFailures, SampleContext, Scores, score
+from grpo_cli.tools.arithmetic import parse_expression
 
 __all__ = [
     "ANSWER_FORMATS", "BUILTIN_REWARDS", "RewardFailures", "Scores", "WeightedReward", "as_text", "correct",

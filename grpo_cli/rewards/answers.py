@@ -12,7 +12,8 @@ import re
 from decimal import ROUND_HALF_UP, Decimal, InvalidOperation, localcontext
 from typing import Any
 
-ANSWER_FORMATS = ("answer_line", "answer_tag", "boxed", "hash")
+from grpo_cli.config import ANSWER_FORMATS
+
 CENT = Decimal("0.01")
 MAX_ANSWER_CHARS = 64  # a final answer longer than this is garbage, not a number worth parsing
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from grpo_cli.rewards.answers import as_text, final_answer, final_answers, parse_amount, to_cents
-from grpo_cli.rewards.arithmetic import parse_expression
+from grpo_cli.tools.arithmetic import parse_expression
 
 RewardFn = Callable[..., list]
 

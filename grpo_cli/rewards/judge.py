@@ -25,10 +25,10 @@ import string
 from collections.abc import Callable
 from typing import Any
 
+from grpo_cli.engines.served import ServerLink
 from grpo_cli.errors import UsageError
-from grpo_cli.model_files import checked_model_path
 from grpo_cli.rewards.fit import cut_to_fit
-from grpo_cli.served import ServerLink
+from grpo_cli.weights.model_files import checked_model_path
 
 SERVED_NAME = "judge"  # the model name a server started here answers to
 NUMBER = r"(-?\d+(?:\.\d+)?)"

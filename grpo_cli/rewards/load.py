@@ -2,18 +2,15 @@
 
 A built-in name (grpo_cli.rewards.builtin), a custom `package.module:function`, imported from the
 Python path (the working directory included), or a reward model (`model`: grpo_cli.rewards.model); a
-function with `timeout_s` gets a killable worker process (grpo_cli.rewards.worker). Exactly one reward is
+function with `timeout_s` gets a killable worker process (grpo_cli.tools.worker). Exactly one reward is
 the task's correctness check.
 """
 
 from __future__ import annotations
 
 import difflib
-import importlib
 import inspect
 import math
-import os
-import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +18,7 @@ from grpo_cli.errors import UsageError
 from grpo_cli.rewards.builtin import BUILTIN_REWARDS, RewardFn
 from grpo_cli.rewards.judge import Judge
 from grpo_cli.rewards.model import RewardModel
-from grpo_cli.rewards.worker import RewardWorker
+from grpo_cli.tools.worker import RewardWorker, import_function
 
 ON_FAILURE = ("zero", "drop")  # rewards[i].on_failure: a failed sample scores 0, or leaves the loss
 
@@ -74,28 +71,6 @@ def _first_parameter(fn: RewardFn) -> str | None:
     kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     return params[0].name if params and params[0].kind in kinds else None
 
-
-def import_function(name: str, what: str) -> Any:
-    """The callable named "package.module:function" (a custom reward or tool: `what`), imported from the
-    Python path, the working directory included (like `python -m`)."""
-    module_name, _, func_name = name.partition(":")
-    if not module_name or not func_name:
-        raise UsageError(f"{what} '{name}' must look like package.module:function")
-    if os.getcwd() not in sys.path:
-        sys.path.append(os.getcwd())
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        raise UsageError(f"{what} '{name}': cannot import module '{module_name}' ({e}); "
-                           "check the name and that it is importable from here") from None
-    except Exception as e:
-        raise UsageError(f"{what} '{name}': importing '{module_name}' failed: {type(e).__name__}: {e}") from None
-    fn = getattr(module, func_name, None)
-    if fn is None:
-        raise UsageError(f"{what} '{name}': module '{module_name}' has no function '{func_name}'")
-    if not callable(fn):
-        raise UsageError(f"{what} '{name}': '{func_name}' in '{module_name}' is not callable")
-    return fn
 
 
 def _takes_var_kwargs(fn: RewardFn) -> bool:

@@ -19,10 +19,10 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
+from grpo_cli.engines.served import ServerLink
 from grpo_cli.errors import UsageError
-from grpo_cli.model_files import checked_model_path
 from grpo_cli.rewards.fit import cut_to_fit
-from grpo_cli.served import ServerLink
+from grpo_cli.weights.model_files import checked_model_path
 
 SERVED_NAME = "reward_model"  # the model name a server started here answers to
 CUT_MARKER = "\n[... {count} tokens cut to fit the reward model's context ...]\n"  # where a long completion lost its middle

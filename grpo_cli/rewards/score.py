@@ -13,9 +13,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from grpo_cli.prompts import question_text
+from grpo_cli.prompts.templates import question_text
 from grpo_cli.rewards.load import RESERVED, TOOL_RUN_ONLY, WeightedReward
-from grpo_cli.rewards.worker import call_in_process
+from grpo_cli.tools.worker import call_in_process
 
 MAX_TIMEOUTS_IN_A_ROW = 3  # then a function's remaining calls in this scoring are skipped (a held-out set has 200 groups); a server that does not answer counts as a timeout
 

@@ -7,7 +7,12 @@
   and whose `reward()` can score the trajectory; the instances live in a killable worker.
 - tags.py: the tag call format of small plain-text models (`<calc>3*18</calc>` -> `<result>54</result>`).
 - chat.py: the chat call format (the tokenizer's template, native `<tool_call>{...}</tool_call>`).
-- metrics.py: what a step's trajectories did with their tools (calls, failures, turns, tokens, caps).
+- worker.py: the one worker protocol: user code (a tool, an environment, a reward with `timeout_s`) in a
+  killable child process, with its start and call limits and its failure kinds.
+- sandbox.py, sandbox_worker.py, cgroups.py, uids.py, seccomp.py: model-written code in a bwrap sandbox
+  (docs/sandbox.md): the call, a worker inside it, its cgroup, its leased host uid, the seccomp filters.
+- pool.py, result.py: where a step's calls run, its tool budget and when a reply rejoins; what a result reads as.
+- arithmetic.py: the exact arithmetic parser (never `eval`) of the calculator and the countdown reward.
 
 The multi-turn loop itself is an engine wrapper, `grpo_cli.engines.tools.ToolEngine`: every sample's turns
 in one engine loop, the tools, the reply tokenized once and appended, and a mask that is 1 on the model's

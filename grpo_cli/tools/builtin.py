@@ -10,8 +10,10 @@ from collections.abc import Callable
 from fractions import Fraction
 from pathlib import Path
 
+import grpo_cli.tools.cgroups as cgroups
 import grpo_cli.tools.sandbox as sandbox
-from grpo_cli.rewards.arithmetic import parse_expression
+import grpo_cli.tools.seccomp as seccomp
+from grpo_cli.tools.arithmetic import parse_expression
 
 ToolFn = Callable[[str], str]
 
@@ -53,7 +55,7 @@ PYTHON_OUTPUT_BYTES = 16 * 2**10  # stdout + stderr, read from a pipe up to this
 PYTHON_KEPT_ENV = ("PATH", "LANG", "LC_ALL", "TZ")  # unsandboxed: everything else (API keys, tokens) is dropped
 
 
-# The child joins a new session keyring and locks the keyrings (sandbox.keyring_boot) and sets its own limits
+# The child joins a new session keyring and locks the keyrings (seccomp.keyring_boot) and sets its own limits
 # (from its arguments), then runs the code; no preexec_fn, which is unsafe in a process with threads (the
 # trainer's, when a tool runs in process). No POSIX message queue bytes (RLIMIT_MSGQUEUE): they count against
 # the uid (issue 64; the filter refuses mq_open too).
@@ -97,10 +99,10 @@ HOME_PREFIX = "grpo-python-"  # `sandbox: none`'s home folders: grpo-python-PID-
 
 def _sweep_homes() -> None:
     """Remove the home folders of `sandbox: none` calls whose process is gone (a tool worker killed on its
-    timeout mid-call leaves its folder and what the code wrote there): sandbox.sweep_stale, the one sweeper."""
+    timeout mid-call leaves its folder and what the code wrote there): cgroups.sweep_stale, the one sweeper."""
     import shutil
 
-    sandbox.sweep_stale(Path(tempfile.gettempdir()), HOME_PREFIX, lambda d: shutil.rmtree(d, ignore_errors=True))
+    cgroups.sweep_stale(Path(tempfile.gettempdir()), HOME_PREFIX, lambda d: shutil.rmtree(d, ignore_errors=True))
 
 
 def _run_bare(program: list[str]) -> tuple[int | None, bytes, bool]:
@@ -115,13 +117,13 @@ def _run_bare(program: list[str]) -> tuple[int | None, bytes, bool]:
 
 def _run_python(code: str, sandboxed: bool) -> str:
     limits = [str(PYTHON_CPU_SECONDS), str(PYTHON_MEMORY_BYTES), str(PYTHON_OUTPUT_BYTES)]
-    program = ["-c", sandbox.keyring_boot(lock=sandboxed) + _BOOTSTRAP, *limits, code]
+    program = ["-c", seccomp.keyring_boot(lock=sandboxed) + _BOOTSTRAP, *limits, code]
     if "\0" in code:
         raise ToolFailed("could not run the code (ValueError: a NUL byte)")
     oom_killed = False
     try:
         if sandboxed:  # stdlib only (-S)
-            call = sandbox.Limits(PYTHON_WALL_SECONDS, PYTHON_MEMORY_BYTES, PYTHON_PROCESSES, PYTHON_CPUS)
+            call = cgroups.Limits(PYTHON_WALL_SECONDS, PYTHON_MEMORY_BYTES, PYTHON_PROCESSES, PYTHON_CPUS)
             finished = sandbox.run([sandbox.interpreter(), "-I", "-S", *program], call, PYTHON_OUTPUT_BYTES)
             exit_code, oom_killed = finished.exit_code, finished.oom_killed
             output, full = finished.output, finished.output_cut

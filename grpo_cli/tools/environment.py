@@ -32,9 +32,8 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from grpo_cli.errors import UsageError, one_line
-from grpo_cli.rewards.load import import_function
-from grpo_cli.rewards.worker import RewardWorker, call_in_process
 from grpo_cli.tools.result import ToolResult, result_of
+from grpo_cli.tools.worker import RewardWorker, call_in_process, import_function
 
 HOOKS = ("reward", "state")  # methods an environment may define that are not tools
 _LIVE: dict[tuple[int, int], Any] = {}  # in the process that runs the environment: trajectory key -> its instance

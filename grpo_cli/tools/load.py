@@ -2,7 +2,7 @@
 
 A tool is a built-in name (grpo_cli.tools.builtin) or a custom `package.module:function` taking one
 string (the text between its call tags) and returning text. With `timeout_s` (the default) every call
-runs in the tool's killable worker process (the reward workers' machinery, grpo_cli.rewards.worker):
+runs in the tool's killable worker process (the reward workers' machinery, grpo_cli.tools.worker):
 a call that raises, overruns or returns something other than text becomes a short `error: ...`
 result for the model, and is counted; the run goes on.
 """
@@ -17,12 +17,12 @@ from typing import Any
 
 import grpo_cli.tools.sandbox as sandbox
 from grpo_cli.errors import UsageError
-from grpo_cli.rewards.load import import_function
-from grpo_cli.rewards.worker import RewardWorker, call_in_process
 from grpo_cli.tools.builtin import BUILTIN_TOOLS, UNSANDBOXED_TOOLS, ToolFn, runs_untrusted_code
 from grpo_cli.tools.chat import tool_schema
 from grpo_cli.tools.environment import load_environment
 from grpo_cli.tools.result import ToolResult, result_of
+from grpo_cli.tools.sandbox_worker import SandboxedWorker
+from grpo_cli.tools.worker import RewardWorker, call_in_process, import_function
 
 
 @dataclass(frozen=True)
@@ -150,7 +150,7 @@ def load_tools(specs: list, tool_format: str = "tags", environment: Any = None) 
         if timeout_s is not None:
             import functools
 
-            kind = sandbox.SandboxedWorker if boxed else RewardWorker
+            kind = SandboxedWorker if boxed else RewardWorker
             worker = kind(f"tool-{short}", functools.partial(call_each, tool=fn), float(timeout_s))
         loaded.append(LoadedTool(name, fn, open_, close, timeout_s, worker, schema, env,
                                  idle=[worker] if worker is not None else []))

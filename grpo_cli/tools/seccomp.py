@@ -176,3 +176,46 @@ def filter_fd() -> int:
     os.write(fd, program())
     os.lseek(fd, 0, os.SEEK_SET)
     return fd
+
+
+# First thing in the sandbox's Python bootstraps (the python tool's, a worker's): a new, empty, anonymous session
+# keyring, the one keyctl request bwrap's seccomp filter lets through, so the call does not even possess the
+# trainer's (docs/sandbox.md); then a second filter (seccomp.keyring_lock) that refuses every keyring call, that
+# join included, so code cannot keep joining keyrings to fill its uid's key quota (issue 64). keyctl's number:
+# x86-64 250, arm64 219. It calls libc through `_ctypes` itself: importing the `ctypes` package costs a harmless
+# call 6 ms of its ~35 (issue 53). `_F(("name", _D))` is a libc function returning a C long, `_L(n)` a C long
+# argument; the python tool's bootstrap uses them for prctl too.
+_LIBC_BOOT = """import _ctypes as _c, os as _o
+class _L(_c._SimpleCData):
+    _type_ = "l"
+class _C(_c._SimpleCData):
+    _type_ = "c"
+class _F(_c.CFuncPtr):
+    _flags_ = _c.FUNCFLAG_CDECL
+    _restype_ = _L
+class _D:
+    _handle = _c.dlopen(None, 0)
+def _bytes(data):
+    class _A(_c.Array):
+        _type_ = _C
+        _length_ = len(data)
+    return _A.from_buffer_copy(data)
+"""
+
+_KEYRING_JOIN = """_n = {"x86_64": 250, "aarch64": 219}.get(_o.uname().machine)
+if _n is None or _F(("syscall", _D))(_L(_n), _L(1), _L(0)) < 0:
+    raise SystemExit("sandbox: cannot join a new session keyring")
+"""
+
+_KEYRING_LOCK = """_lock = _bytes(bytes.fromhex("%s"))
+_prog = _bytes((len(_lock) // 8).to_bytes(8, "little") + _c.addressof(_lock).to_bytes(8, "little"))
+if _F(("prctl", _D))(_L(22), _L(2), _L(_c.addressof(_prog))) < 0:  # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
+    raise SystemExit("sandbox: cannot load the keyring lock")
+"""
+
+@functools.cache
+def keyring_boot(lock: bool = True) -> str:
+    """The start of a Python bootstrap: join a fresh session keyring, then (`lock`, inside the sandbox, where
+    bwrap has set no_new_privs) refuse every keyring call (seccomp.keyring_lock, compiled here and carried in
+    the text). OSError without libseccomp."""
+    return _LIBC_BOOT + _KEYRING_JOIN + (_KEYRING_LOCK % keyring_lock().hex() if lock else "")

@@ -17,15 +17,15 @@ from pathlib import Path
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from grpo_cli.batch import TrainBatch
-from grpo_cli.collect import Groups
 from grpo_cli.config import LoraConfig, ModelConfig, RewardSpec, RolloutConfig, TrainConfig, TrainerConfig
 from grpo_cli.dist import Dist
 from grpo_cli.dist.shard import full_tensors, shard_model
 from grpo_cli.engines.base import Rollouts
 from grpo_cli.rewards import RewardFailures, Scores
-from grpo_cli.state import RunState
-from grpo_cli.update import fill_logprobs, loss_params, update
+from grpo_cli.step.batch import TrainBatch
+from grpo_cli.step.collect import Groups
+from grpo_cli.step.state import RunState
+from grpo_cli.step.update import fill_logprobs, loss_params, update
 
 
 def tiny(seed):
@@ -79,7 +79,7 @@ def update_once(micro_batch_size: int, variant: str, dist: Dist) -> dict:
                       trainer=TrainerConfig(lr=0.5, kl_coef=0.1, ppo_epochs=2, minibatches=2,
                                             micro_batch_size=micro_batch_size, clip_eps=0.2, **VARIANTS[variant]))
     if lora.enabled:
-        from grpo_cli.lora import with_adapters
+        from grpo_cli.weights.lora import with_adapters
 
         torch.manual_seed(2)  # the adapters' A matrices (B starts at 0)
         policy = shard_model(with_adapters(tiny(0), lora, "tiny").train(), dist)

@@ -23,7 +23,7 @@ from grpo_cli.errors import UsageError
 from grpo_cli.step.tool_metrics import tool_metrics
 from grpo_cli.tools import TagFormat, ToolFailed, calculator, load_tools
 from grpo_cli.tools.load import call_tool, close_tools
-from grpo_cli.tools.result import MAX_RESULT_CHARS
+from grpo_cli.tools.result import MAX_RESULT_CHARS, ToolResult, timeouts
 
 
 def sleeps(argument):
@@ -188,6 +188,10 @@ def test_tools_that_raise_hang_or_flood_give_the_model_a_short_error_and_the_run
     assert call_tool(junk, "x") == ("error: the tool returned dict, not text", False, None)
     assert call_tool(fine, "abc") == ("ABC", True, None)  # in process, no worker
     assert call_tool(slow, "again").ok is False  # a fresh worker after the kill, killed again
+    budget = ToolResult("error: this step's tool time budget (5 s) is spent", False, "budget")
+    returned_junk = call_tool(junk, "x")
+    assert timeouts([late, raised, big, returned_junk, budget]) == 2  # ran out of time: its own, the step's
+    assert not returned_junk.ok and timeouts([returned_junk, raised]) == 0  # raising, junk: failures, not timeouts
     for tool in (slow, boom, flood, junk):
         tool.worker.close()
 

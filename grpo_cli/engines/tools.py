@@ -51,6 +51,7 @@ from grpo_cli.tools.environment import EnvironmentEnd
 from grpo_cli.tools.load import LoadedTool, environment_of
 from grpo_cli.tools.pool import CallDone, StepCalls, ToolPool
 from grpo_cli.tools.result import MAX_RESULT_CHARS
+from grpo_cli.tools.result import timeouts as result_timeouts
 from grpo_cli.tools.tags import Call, TagFormat
 
 
@@ -278,7 +279,7 @@ class ToolEngine(DelegatingEngine):
                         if done.replay == "replay":  # an environment method that ran: a rebuilt instance replays it
                             t.env_calls.append(tuple(t.pending_calls[len(t.call_results)]))
                         t.call_results.append(done)
-                        timeouts = t.tool_timeouts + sum(d.result.failure is not None for d in t.call_results)
+                        timeouts = t.tool_timeouts + result_timeouts(d.result for d in t.call_results)
                         if len(t.call_results) < len(t.pending_calls) and timeouts < self.caps.max_tool_timeouts:
                             submit(done.key, t)  # the turn's next call: one after another, in the order written
                             continue
@@ -352,7 +353,7 @@ class ToolEngine(DelegatingEngine):
             {"role": "tool", "tool": call.tool, "argument": call.argument, "result": text, "ok": result.ok,
              "text": piece, "seconds": round(done.seconds, 4), "failure": result.failure}
             for (call, done), result, text, piece in zip(done_calls, results, texts, pieces)])
-        t.tool_timeouts += sum(result.failure is not None for result in results)
+        t.tool_timeouts += result_timeouts(results)
         t.pending_calls, t.call_results = [], []
         if len(ids) >= room:  # the reply filled the budget: no room for the model to read and answer
             t.done, t.capped = True, "trajectory_tokens"

@@ -1,8 +1,9 @@
 """Where a tool call runs, the step's tool budget, and when its result rejoins decoding (issue 36, issue 54,
-docs/tools.md). Its other rules live beside it, not here yet: what the model reads of an answer and what counts
-as a timeout (`tools.result.result_of`, shared with the environments), a worker's start and call limits and its
-kill (rewards/worker.py, tools/sandbox.py for a sandboxed one), an environment's rebuild (tools/environment.py),
-and the cut of a trajectory after `rollout.max_tool_timeouts` (engines/tools.py).
+docs/tools.md). A call's other rules live beside it in tools/, one module each: what the model reads of an answer
+and which calls count toward `rollout.max_tool_timeouts` (tools/result.py: `result_of`, `timeouts`; the tool loop
+in engines/tools.py asks it and cuts the trajectory at the cap), a worker's start and call limits and its kill
+(tools/worker.py; tools/sandbox_worker.py is its transport into the sandbox), an environment's rebuild
+(tools/environment.py).
 
 The engine loop never runs a tool. `ToolEngine` hands each call to `StepCalls.submit`, which queues it on
 the pool; a thread runs it (a tool with a time limit in a worker process of its own, one per thread, so

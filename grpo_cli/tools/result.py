@@ -3,6 +3,7 @@ environment, the pool and the loader share it without importing one another."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 MAX_RESULT_CHARS = 4096  # a result is cut to this many characters before it is tokenized (a tool may print 1 MB)
@@ -13,6 +14,12 @@ class ToolResult(NamedTuple):
     text: str  # what the model reads (a short error text when the call failed)
     ok: bool  # False: it raised, timed out or returned junk
     failure: str | None = None  # "timeout": it ran out of time | "budget": the step's tool time was spent (tools.pool)
+
+
+def timeouts(results: Iterable[ToolResult]) -> int:
+    """How many of these calls count toward rollout.max_tool_timeouts: those that ran out of time, their own or the
+    step's tool budget (a call that raised or returned junk does not)."""
+    return sum(result.failure is not None for result in results)
 
 
 def result_of(tag: str, out: Any) -> ToolResult:

@@ -22,7 +22,7 @@ PINS ?= constraints/cpu.txt
 DRIVER :=
 endif
 
-.PHONY: install test test-fast train bench lint clean pins
+.PHONY: install test test-long test-fast train bench lint clean pins
 
 install: $(STAMP)
 
@@ -54,9 +54,13 @@ pins:
 	rm -rf .venv-pins
 
 # Two workers (pytest-xdist), a test file at a time each: the long files' subprocess starts and engine
-# waits leave a core idle that the other file uses (docs/testing.md).
+# waits leave a core idle that the other file uses (docs/testing.md). The long tier (multi-process jobs and
+# real servers of a minute or more, tests/conftest.py LONG_TESTS) is `make test-long`.
 test: install
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not long"
+
+test-long: install
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m long
 
 # Unit and CLI tests only (no vLLM engine, no multi-process or subprocess run): a few minutes.
 test-fast: install

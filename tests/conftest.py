@@ -258,11 +258,65 @@ def pytest_configure(config):
         os.sched_setaffinity(0, cores[int(worker.removeprefix("gw")) % count::count])
 
 
+# The long tier (docs/testing.md): the multi-process jobs and real servers that take a minute or more each, run by
+# `make test-long`, not by `make test` (held to 12 minutes of pytest on 2 cores). One home for the list: file ->
+# its tests in the tier, with what each took in a fresh clone's `make test` (seconds, setup of a shared run included).
+LONG_TESTS: dict[str, dict[str, float]] = {
+    "test_split.py": {  # its module's split run (67 s) goes with them
+        "test_a_split_job_trains_as_one_process_with_the_same_schedule": 41 + 67,
+        "test_a_split_job_over_two_simulated_nodes_with_a_run_root_each_resumes_to_the_one_node_job": 122,
+        "test_a_split_job_with_its_trainer_killed_stops_at_once_and_resumes_bit_exactly": 115,
+        "test_two_generators_sample_what_one_does_and_a_killed_one_resumes_on_one": 133,
+        "test_two_trainers_beside_a_generator_train_as_two_colocated_ranks": 172,
+        "test_a_kill_9_of_the_launcher_takes_every_trainer_and_generator_rank_with_it": 62,
+    },
+    "test_async.py": {  # the module's K=1 run (79 s)
+        "test_the_batch_of_step_3_came_from_the_weights_after_step_1": 79,
+        "test_sampling_after_the_update_gives_the_same_run_as_beside_it": 15,
+        "test_a_k1_run_killed_after_its_step_2_checkpoint_resumes_bit_exactly": 95,
+    },
+    "test_distributed.py": {  # the module's 2-rank jobs (55 s and 48 s)
+        "test_the_update_does_not_depend_on_how_the_batch_is_split": 55,
+        "test_layer_by_layer_resharding_holds_a_layer_or_two_and_changes_no_number": 1,
+        "test_two_simulated_nodes_and_plain_torchrun_run_the_same_job_as_two_processes": 98 + 48,
+        "test_the_prompt_pool_chooses_the_same_prompts_at_one_and_two_ranks": 1,
+        "test_kill_9_then_resume_at_two_ranks_is_bit_exact_at_one_rank_works_and_back_at_two": 100,
+        "test_a_two_rank_lora_run_with_a_teacher_ends_with_the_adapters_of_a_one_rank_run": 60,
+    },
+    "test_distributed_engines.py": {
+        "test_two_ranks_with_an_engine_each_train_countdown_on_its_shipped_model": 85,
+        "test_two_ranks_can_share_one_tensor_parallel_vllm_engine": 106,
+    },
+    "test_tool_replay.py": {"test_a_tool_of_random_latency_replays_bit_for_bit_after_sigkill_and_resume": 121},
+    "test_reward_model.py": {
+        "test_a_served_reward_model_scores_as_in_process_and_a_run_whose_server_dies_ends_with_one_line": 97},
+    "test_lora.py": {"test_vllm_serves_the_pushed_adapters_and_evaluates_adapter_checkpoints": 92},
+    "test_bike_pricing_tools.py": {
+        "test_a_few_steps_of_the_recipe_call_the_calculator_and_log_the_tool_and_greedy_curves": 64},
+    "test_distill.py": {"test_a_teacher_served_by_a_real_vllm_server_grades_as_the_teacher_in_process": 55},
+}
+
+
+def _mark_long(items: list) -> None:
+    """Mark LONG_TESTS `long` (and `slow`); a listed name that its collected file no longer has is an error, not a
+    test silently back in `make test`."""
+    for item in items:
+        if item.originalname in LONG_TESTS.get(item.path.name, {}):
+            item.add_marker(pytest.mark.long)
+            item.add_marker(pytest.mark.slow)
+    modules = {item.path.name: item.module for item in items if getattr(item, "module", None) is not None}
+    stale = [f"{f}::{name}" for f, names in LONG_TESTS.items() if f in modules for name in names
+             if not callable(getattr(modules[f], name, None))]
+    if stale:
+        raise pytest.UsageError(f"tests/conftest.py LONG_TESTS names tests that do not exist: {', '.join(stale)}")
+
+
 def pytest_collection_modifyitems(items):
     """A test that uses the session's vLLM engine is slow as a matter of course (`make test-fast` skips it).
     The files that hold a slow test run first: `make test` gives its two workers a file at a time, so the
     files of minutes start early and the files of seconds fill the end (no worker idles while the other runs
     a long file last)."""
+    _mark_long(items)
     for item in items:
         if ENGINE_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)

@@ -279,20 +279,29 @@ def dev_eval(model, examples, pad_id: int, temperature: float = 1.0, batch_size:
     closely because the solution format is fixed; the final numbers come from vLLM.
     """
     model.eval()
-    greedy, sampled, nll, tokens = 0.0, 0.0, 0.0, 0
+    sums = [0.0, 0.0, 0.0, 0]
     for i in range(0, len(examples), batch_size):
         input_ids, labels = make_batch(examples[i : i + batch_size], pad_id)  # [B, T]
-        logits = model(input_ids=input_ids).logits[:, :-1].float() / temperature  # [B, T-1, V]
-        target = labels[:, 1:]  # [B, T-1]
-        mask = target != -100  # [B, T-1]
-        logp = logits.log_softmax(-1).gather(-1, target.clamp(min=0)[..., None])[..., 0] * mask  # [B, T-1]
-        hit = (logits.argmax(-1) == target) | ~mask  # [B, T-1]
-        greedy += hit.all(-1).sum().item()
-        sampled += logp.sum(-1).exp().sum().item()
-        nll -= logp.sum().item()
-        tokens += mask.sum().item()
+        add_teacher_forced(sums, model(input_ids=input_ids).logits, labels, temperature)
     model.train()
-    return {"greedy": greedy / len(examples), "sampled": sampled / len(examples), "loss": nll / tokens}
+    return teacher_forced_metrics(sums, len(examples))
+
+
+def add_teacher_forced(sums: list, logits: torch.Tensor, labels: torch.Tensor, temperature: float) -> None:
+    """Add one batch's [greedy hits, sampled probability, nll, tokens] into `sums` (dev_eval's proxies)."""
+    logits = logits[:, :-1].float() / temperature  # [B, T-1, V]
+    target = labels[:, 1:]  # [B, T-1]
+    mask = target != -100  # [B, T-1]
+    logp = logits.log_softmax(-1).gather(-1, target.clamp(min=0)[..., None])[..., 0] * mask  # [B, T-1]
+    hit = (logits.argmax(-1) == target) | ~mask  # [B, T-1]
+    sums[0] += hit.all(-1).sum().item()
+    sums[1] += logp.sum(-1).exp().sum().item()
+    sums[2] -= logp.sum().item()
+    sums[3] += mask.sum().item()
+
+
+def teacher_forced_metrics(sums: list, n: int) -> dict:
+    return {"greedy": sums[0] / n, "sampled": sums[1] / n, "loss": sums[2] / sums[3]}
 
 
 def train(args, tokenizer, train_set, dev_set, tool_segments=None):

@@ -196,10 +196,12 @@ def _discount_sentence(rng: random.Random, kind: str, percent: int) -> str:
     ))
 
 
-def render_question(rental: Rental, rng: random.Random) -> str:
+def render_question(rental: Rental, rng: random.Random, first_bike=_bike_sentence) -> str:
+    """The question's text; `first_bike(rng, who, bike, rate, days)` words the first bike's sentence (the vision
+    task's leaves the rate to the picture)."""
     who, days = rental.renter, rental.days
     (bike, rate), *more_bikes = rental.bikes
-    facts = [_bike_sentence(rng, who, bike, rate, days)]
+    facts = [first_bike(rng, who, bike, rate, days)]
     facts += [_second_bike_sentence(rng, who, b, r, days) for b, r in more_bikes]
     if rental.addon:
         facts.append(_addon_sentence(rng, *rental.addon))

@@ -57,7 +57,27 @@ def model_shape(name_or_path: str) -> dict[str, Any] | None:
         path = Path(resolve_model_path(name_or_path)) / "config.json"
     except FileNotFoundError:
         return HUB_SHAPES.get(name_or_path)
-    return json.loads(path.read_text()) if path.is_file() else HUB_SHAPES.get(name_or_path)
+    if not path.is_file():
+        return HUB_SHAPES.get(name_or_path)
+    config = json.loads(path.read_text())
+    if "text_config" in config and "vision_config" in config:  # a vision-language model: its text model's shape,
+        return {**config["text_config"], "vision": config["vision_config"],  # with the tower beside it
+                "scale_factor": config.get("scale_factor", 1), "tie_word_embeddings": config.get(
+                    "tie_word_embeddings", config["text_config"].get("tie_word_embeddings", False))}
+    return config
+
+def vision_parameter_count(shape: dict[str, Any]) -> int:
+    """Parameters of a vision-language model's tower and connector (Idefics3/SmolVLM: a SigLIP-style encoder, a
+    pixel-shuffle projection into the text model's width); 0 for a text model."""
+    v = shape.get("vision")
+    if not v:
+        return 0
+    Hv, inter, layers = v.get("hidden_size", 768), v.get("intermediate_size", 3072), v.get("num_hidden_layers", 12)
+    patch, side, channels = v.get("patch_size", 16), v.get("image_size", 224), v.get("num_channels", 3)
+    embeddings = channels * patch * patch * Hv + Hv + (side // patch) ** 2 * Hv
+    layer = 4 * (Hv * Hv + Hv) + 4 * Hv + 2 * Hv * inter + inter + Hv  # q k v out, two norms, the MLP
+    connector = Hv * shape.get("scale_factor", 1) ** 2 * shape["hidden_size"]
+    return embeddings + layers * layer + 2 * Hv + connector
 
 def linear_shapes(shape: dict[str, Any]) -> dict[str, tuple[int, int]]:
     """(in, out) of each linear layer of one decoder layer of a Llama/Qwen2-style model, from its config."""
@@ -72,13 +92,15 @@ def layer_parameter_count(shape: dict[str, Any]) -> int:
     """Parameters of one decoder layer of a Llama/Qwen2-style model from its config: attention, MLP, norms."""
     dims = linear_shapes(shape)
     bias = dims["q_proj"][1] + 2 * dims["k_proj"][1] if shape.get("model_type") == "qwen2" else 0  # q, k, v biases
+    if shape.get("attention_bias"):  # a Llama with them: q, k, v and o
+        bias = dims["q_proj"][1] + 2 * dims["k_proj"][1] + shape["hidden_size"]
     return sum(i * o for i, o in dims.values()) + bias + 2 * shape["hidden_size"]
 
 def parameter_count(shape: dict[str, Any]) -> int:
     """Parameters of a Llama/Qwen2-style decoder from its config: embeddings, attention, MLP, norms, head."""
     H, L, V = shape["hidden_size"], shape["num_hidden_layers"], shape["vocab_size"]
     head = 0 if shape.get("tie_word_embeddings", False) else V * H
-    return V * H + L * layer_parameter_count(shape) + H + head
+    return V * H + L * layer_parameter_count(shape) + H + head + vision_parameter_count(shape)
 
 def adapter_parameter_count(shape: dict[str, Any], rank: int, targets: list[str]) -> int:
     """Parameters of rank-`rank` LoRA adapters (A: r x in, B: out x r) on `targets` in every decoder layer."""
@@ -103,10 +125,13 @@ def memory_lines(cfg: TrainConfig, shape: dict[str, Any] | None, world_size: int
         gathered, held = params - shape["num_hidden_layers"] * layer + 2 * layer, "its shard + embeddings + 2 layers"
     else:
         gathered, held = params, "its shard + the whole model"
-    train = params * FP32_BYTES * 4 / world_size + gathered * FP32_BYTES
+    frozen = vision_parameter_count(shape) if cfg.model.freeze_vision else 0  # no gradient, no AdamW moments
+    train = (params * 4 - frozen * 3) * FP32_BYTES / world_size + gathered * FP32_BYTES
     ref = (params / world_size + gathered) * FP32_BYTES if cfg.trainer.kl_coef > 0 else 0  # during its pass
     logits = cfg.trainer.logprob_chunk_tokens * shape["vocab_size"] * FP32_BYTES * 3  # logits, softmax, grad
-    return [f"memory (fp32, per rank, estimate): {params / 1e6:.1f}M parameters -> policy + grads + AdamW "
+    tower = (f" (the vision tower and connector {vision_parameter_count(shape) / 1e6:.2f}M of them"
+             f"{', frozen' if frozen else ''})" if shape.get("vision") else "")
+    return [f"memory (fp32, per rank, estimate): {params / 1e6:.1f}M parameters{tower} -> policy + grads + AdamW "
             f"{train / gib:.2f} GiB (weights at their peak: {held}), reference {ref / gib:.2f} GiB, one logits "
             f"chunk {logits / gib:.3f} GiB; activations and the rollout engine's KV cache come on top"]
 

@@ -46,9 +46,10 @@ from grpo_cli.engines.base import NO_LOGPROBS, Sampling
 from grpo_cli.engines.tools import with_tools
 from grpo_cli.engines.vllm import VLLMEngine
 from grpo_cli.errors import UsageError
-from grpo_cli.preflight import check_tool_run
+from grpo_cli.preflight import check_tool_run, check_vision, model_config_of
 from grpo_cli.prompts import rows as data
 from grpo_cli.prompts.templates import render_row
+from grpo_cli.report.loggers import jsonable
 from grpo_cli.rewards import WeightedReward, load_rewards, validate_columns
 from grpo_cli.rewards.load import close_reward_models
 from grpo_cli.runtime import cpu_threads, quiet_third_party, set_threads
@@ -165,7 +166,7 @@ def run(cfg: EvalCommandConfig, run_dir: Path | None = None, engine: VLLMEngine 
     _write_atomically(out_path, json.dumps(payload, indent=2) + "\n")
     print(f"eval.json: {out_path}")
     if samples_path is not None:
-        _write_atomically(samples_path, "".join(json.dumps(s, ensure_ascii=False, default=str) + "\n"
+        _write_atomically(samples_path, "".join(json.dumps(s, ensure_ascii=False, default=jsonable) + "\n"
                                                 for s in all_samples))
         print(f"samples: {samples_path}")
     return 0
@@ -184,7 +185,9 @@ def evaluate_targets(cfg: EvalCommandConfig, targets: list[runs.Target], rows: l
     set_threads(cpu_threads(cfg.trainer.threads))  # before the engine starts
     tokenizer = load_tokenizer(str(targets[0].path))
     check_tokenizers(targets, tokenizer)
-    heldout = HeldoutSet.build(rows, lambda row: tokenizer(render_row(row, cfg.data, tokenizer, schemas),
+    model_dir = str(targets[0].model_dir)
+    vision = check_vision(cfg, model_dir, model_config_of("checkpoint", model_dir), {"held-out": rows})
+    heldout = HeldoutSet.build(rows, lambda row: tokenizer(render_row(row, cfg.data, tokenizer, schemas, vision),
                                                            add_special_tokens=False)["input_ids"],
                                reward_fns, cfg.data)
     k = cfg.eval.samples_per_problem
@@ -197,7 +200,8 @@ def evaluate_targets(cfg: EvalCommandConfig, targets: list[runs.Target], rows: l
     if engine is None:
         print(f"grpo eval: starting the vLLM engine on {holds}", flush=True)
         engine = VLLMEngine(str(holds), engine_model(cfg.model, targets), cfg.rollout, cfg.trainer.seed,
-                                    show_progress=cfg.logging.verbose_libraries)
+                            show_progress=cfg.logging.verbose_libraries,
+                            image_column=cfg.data.image_column if vision is not None else None)
     engine = with_tools(engine, tools, cfg.rollout)
     results, all_samples = [], []
     for i, target in enumerate(targets):

@@ -20,8 +20,9 @@ from grpo_cli.engines.options import max_model_len, vllm_lora_rank
 from grpo_cli.engines.served import served_model
 from grpo_cli.errors import UsageError
 from grpo_cli.prompts import rows as data
+from grpo_cli.prompts.images import Vision, row_images
 from grpo_cli.prompts.pool import column_values
-from grpo_cli.prompts.templates import render_row
+from grpo_cli.prompts.templates import is_conversation, render_row
 from grpo_cli.rewards.load import TOOL_RUN_ONLY
 from grpo_cli.rewards.teacher import START_HINT
 from grpo_cli.step.state import Task
@@ -29,9 +30,9 @@ from grpo_cli.tools import load_tools
 from grpo_cli.tools.chat import ChatFormat
 from grpo_cli.tools.environment import check_rows
 from grpo_cli.tools.load import environment_of
-from grpo_cli.weights.checkpoint import load_tokenizer
+from grpo_cli.weights.checkpoint import load_processor, load_tokenizer
 from grpo_cli.weights.lora import check_targets
-from grpo_cli.weights.model_files import checked_model_path
+from grpo_cli.weights.model_files import checked_model_path, is_vision_language
 
 
 def preflight(cfg: TrainConfig, checking: bool = False) -> Task | None:
@@ -88,12 +89,58 @@ def preflight(cfg: TrainConfig, checking: bool = False) -> Task | None:
     teacher_path = check_teacher(cfg.distill.teacher, cfg.model.name_or_path, tokenizer) if cfg.distill.teacher else None
     if cfg.distill.server not in (None, "start"):
         served_model(cfg.distill.server, "distill.server", START_HINT)  # a server given by URL answers, before any model loads
-    task = Task(train_rows, heldout_rows, reward_fns, model_path, tokenizer, cfg.data, tools, teacher_path)
+    vision = check_vision(cfg, model_path, model_config, {"train": train_rows, "held-out": heldout_rows})
+    if vision is not None:
+        tokenizer = vision.processor.tokenizer  # the processor's own: its image tokens are the model's
+    task = Task(train_rows, heldout_rows, reward_fns, model_path, tokenizer, cfg.data, tools, teacher_path, vision)
     check_prompt_lengths(task, cfg)
     if tools and cfg.rollout.tool_format == "chat":  # its tool role and its call syntax, before any model loads
         ChatFormat.from_tokenizer(task.tokenizer, {t.schema["function"]["name"]: t.name for t in tools},
                                   cfg.rollout.tool_call_syntax, cfg.rollout.max_tool_calls)
     return task
+
+
+def check_vision(cfg: TrainConfig, model_path: str, model_config: Any, splits: dict[str, list[dict[str, Any]]]
+                 ) -> Vision | None:
+    """Rows with images (data.image_column) before any weights load: a vision-language model with its processor,
+    sampled by vLLM, single-turn, each prompt text. Returns the processor's `Vision`, or None for text rows."""
+    with_images = [name for name, rows in splits.items() if rows and row_images(rows[0], cfg.data.image_column)]
+    if not with_images:
+        return None
+    where = f"the {with_images[0]} rows of '{cfg.data.source}' carry images (data.image_column={cfg.data.image_column})"
+    if not is_vision_language(model_config):
+        kind = ", ".join(getattr(model_config, "architectures", None) or [model_config.model_type])
+        raise UsageError(f"model.name_or_path: {where}, and {cfg.model.name_or_path} is a text-only model ({kind}); "
+                         "use a vision-language model (docs/vision.md) or set data.image_column=null")
+    if len(with_images) < len(splits):
+        raise UsageError(f"data: {where}, and the {[n for n in splits if n not in with_images][0]} rows carry none; "
+                         "give both splits their images")
+    if cfg.rollout.multi_turn:
+        raise UsageError(f"rollout.tools: {where}; tool runs and environments with images are not supported "
+                         "(docs/vision.md): set rollout.tools=[] or data.image_column=null")
+    if cfg.rollout.placement == "split" or cfg.rollout.max_staleness:
+        key = "rollout.placement" if cfg.rollout.placement == "split" else "rollout.max_staleness"
+        raise UsageError(f"{key}: {where}; rollouts ahead of the trainer or on ranks of their own do not carry "
+                         "images yet (docs/vision.md): set rollout.placement=colocated rollout.max_staleness=0")
+    if cfg.rollout.engine != "vllm":
+        raise UsageError(f"rollout.engine: {cfg.rollout.engine} does not sample with images; {where}, which "
+                         "rollout.engine=vllm samples")
+    if cfg.model.lora.enabled:
+        raise UsageError(f"model.lora.rank: {where}; LoRA on a vision-language model is not supported yet "
+                         "(docs/vision.md): set model.lora.rank=0 (model.freeze_vision keeps the tower as it is)")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise UsageError(f"dist: {where}; a vision-language run on several processes is not supported yet "
+                         "(docs/vision.md): run it as one process")
+    for name, rows in splits.items():
+        if (i := next((i for i, r in enumerate(rows) if is_conversation(r[cfg.data.prompt_column])), None)) is not None:
+            raise UsageError(f"data.prompt_column: {name} row {i} holds chat messages, and rows with images take "
+                             "their question as text (the images go before it)")
+    try:
+        return Vision(load_processor(model_path), cfg.data.image_column)
+    except (OSError, ValueError, AttributeError) as e:
+        raise UsageError(f"model.name_or_path: cannot load the processor of {cfg.model.name_or_path} "
+                         f"({' '.join(str(e).split())[:200]}); a vision-language model needs its processor files "
+                         "(preprocessor_config.json, processor_config.json)") from None
 
 
 def check_teacher(teacher: str, student: str, tokenizer: Any) -> str:
@@ -178,21 +225,39 @@ def check_tool_run(tools: list, reward_fns: list, splits: dict[str, list[dict[st
             raise UsageError(f"rewards[{i}]: '{r.name}' needs {needed[0]}, which this run cannot give it ({has})")
 
 
+def image_token_counts(task: Task, rows: list[dict[str, Any]]) -> list[int]:
+    """[rows] how many tokens each row's images add to its prompt beyond their one image token each (the
+    processor's count for an image depends on its size only, so each size is asked once)."""
+    if task.vision is None:
+        return [0] * len(rows)
+    by_size: dict[tuple[int, int], int] = {}
+    counts = []
+    for row in rows:
+        added = 0
+        for image in task.images(row):
+            if image.size not in by_size:
+                by_size[image.size] = len(task.vision.image_tokens(image)) - 1
+            added += by_size[image.size]
+        counts.append(added)
+    return counts
+
+
 def check_prompt_lengths(task: Task, cfg: TrainConfig) -> None:
     """Every prompt + rollout.max_new_tokens (a tool run's whole trajectory) must fit the model's context
     (vLLM would refuse it mid-run)."""
     context = max_model_len(task.model_path, cfg.model)
     budget = context - cfg.rollout.trajectory_tokens  # a prompt's tokens may be at most this
     for name, rows in (("train", task.train_rows), ("held-out", task.heldout_rows)):
-        texts = [render_row(row, cfg.data, task.tokenizer, task.tool_schemas) for row in rows]
+        texts = [render_row(row, cfg.data, task.tokenizer, task.tool_schemas, task.vision) for row in rows]
+        image_tokens = image_token_counts(task, rows)  # [rows] the tokens its images add past their image tokens
         # A token covers at least one byte of its text, so a prompt of at most budget bytes fits (8 to spare for a
         # tokenizer's leading marker): only longer ones are tokenized, not the 20,000 rows of a built-in task at
         # every start and every `grpo check`.
-        longer = [i for i, text in enumerate(texts) if len(text.encode()) + 8 > budget]
+        longer = [i for i, text in enumerate(texts) if len(text.encode()) + image_tokens[i] + 8 > budget]
         if not longer:
             continue
         counted = task.tokenizer([texts[i] for i in longer], add_special_tokens=False)["input_ids"]
-        lengths = dict(zip(longer, map(len, counted)))
+        lengths = {i: len(ids) + image_tokens[i] for i, ids in zip(longer, counted)}
         worst = max(longer, key=lengths.__getitem__)
         key = "rollout.max_trajectory_tokens" if cfg.rollout.multi_turn else "rollout.max_new_tokens"
         if lengths[worst] > budget:

@@ -25,6 +25,7 @@ from grpo_cli.dist import COLLECTIVE_SECONDS, Dist
 from grpo_cli.dist.ranks import split_roles
 from grpo_cli.engines.base import NO_LOGPROBS, Engine, Sampling
 from grpo_cli.preflight import preflight
+from grpo_cli.prompts.images import image_name, row_images
 from grpo_cli.report.console import make_console, summary_lines
 from grpo_cli.report.loggers import NullLogger, make_logger
 from grpo_cli.report.plot import plot_runs
@@ -87,7 +88,7 @@ def run(cfg: TrainConfig, run_dir: Path, engine: Engine | None = None) -> int:
             else:  # sampled from the weights after step - 1 - K; step + K's batch starts sampling now
                 groups, sampled = ahead.take(step, timings)  # [P, G]
             state.pool.record(step, groups.pass_rate.tolist())  # what data.sampler reads for the draws after this one
-            batch = TrainBatch.build(groups, task.tokenizer.pad_token_id, t_cfg, state.dist, params)
+            batch = TrainBatch.build(groups, task.tokenizer.pad_token_id, t_cfg, state.dist, params, task.vision)
             with timings("logprobs"):  # the reference's, and the policy's before the update when it can move
                 penalty = fill_logprobs(state, batch, groups, cfg)
             with timings("update"):
@@ -187,7 +188,10 @@ class RunOutput:
                         "advantage": float(groups.advantages[p, 0]),
                         **({"trajectory": rollouts.trajectories[p][0], "turns": rollouts.segments[p][0]}
                            if rollouts.segments else {}),
-                        **({"environment": rollouts.environments[p][0]._asdict()} if rollouts.environments else {})}
+                        **({"environment": rollouts.environments[p][0]._asdict()} if rollouts.environments else {}),
+                        **({"images": names} if (names := [image_name(image) for image in
+                                                           row_images(groups.rows[p], self.cfg.data.image_column)])
+                           else {})}
                        for p in range(min(len(groups.rows), 4))]
             self.logger.log_samples(samples, step)
             self.console.samples(samples, step)
@@ -263,10 +267,10 @@ def maybe_checkpoint(state: RunState, metrics: dict[str, Any], cfg: TrainConfig,
     info = checkpoint_info(step, cfg, state.task.model_path, metrics.get("eval/pass@1"), state.dist.world_size)
     if metrics.get("eval/pass@1", -1.0) > state.best_pass:
         state.best_pass = metrics["eval/pass@1"]
-        save_checkpoint(state.policy, state.task.tokenizer, checkpoints / "best", info, dist=state.dist)
+        save_checkpoint(state.policy, state.task.tokenizer_files, checkpoints / "best", info, dist=state.dist)
     if save_now or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
         name = "final" if step == cfg.trainer.steps else f"{STEP_PREFIX}{step:06d}"
-        save_checkpoint(state.policy, state.task.tokenizer, checkpoints / name, info,
+        save_checkpoint(state.policy, state.task.tokenizer_files, checkpoints / name, info,
                         trainer_state(state.optimizer, state.scheduler, state.pool, state.best_pass,
                                       state.start.schedule_steps)
                         | ({"rollouts_ahead": ahead.state_dict()} if ahead is not None else {}),

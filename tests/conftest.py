@@ -294,6 +294,8 @@ LONG_TESTS: dict[str, dict[str, float]] = {
     "test_bike_pricing_tools.py": {
         "test_a_few_steps_of_the_recipe_call_the_calculator_and_log_the_tool_and_greedy_curves": 64},
     "test_distill.py": {"test_a_teacher_served_by_a_real_vllm_server_grades_as_the_teacher_in_process": 55},
+    "test_vision.py": {
+        "test_a_vision_run_checkpoints_with_its_processor_resumes_bit_exactly_and_evaluates_on_images": 70},
 }
 
 

@@ -145,13 +145,24 @@ def shared_prompt_unsupported(config: object) -> str | None:
     return None
 
 
-def prompt_states(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> PromptStates:
-    """Run the right-padded prompts `[P, Tp]` through the body once (with autograd if it is on)."""
+def vision_body(model: torch.nn.Module) -> torch.nn.Module:
+    """A vision-language model's body that takes pixel values beside the ids (Idefics3Model: the vision tower,
+    the connector, the text model), where `body_and_head`'s is the text model alone; through a peft wrapper."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return inner.model
+
+
+def prompt_states(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                  pixels: dict[str, torch.Tensor] | None = None) -> PromptStates:
+    """Run the right-padded prompts `[P, Tp]` through the body once (with autograd if it is on). With `pixels`
+    (a vision-language model's image tensors, pixel_values `[P, N, C, H, W]`, one prompt's images a row) the
+    images are encoded here, once per prompt, and their tokens' states join the prompt's keys and values; the
+    completions then need no pixels."""
     if reason := shared_prompt_unsupported(model.config):
         raise NotImplementedError(reason)
-    body, _ = body_and_head(model)
+    body = vision_body(model) if pixels else body_and_head(model)[0]
     out = body(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=_positions(prompt_mask),
-               use_cache=True)
+               use_cache=True, **(pixels or {}))
     kv = [(layer.keys, layer.values) for layer in out.past_key_values.layers]  # each [P, kv_heads, Tp, d]
     last = prompt_mask.long().sum(-1) - 1  # [P] index of each prompt's last real token
     final = out.last_hidden_state[torch.arange(len(last)), last]  # [P, H]

@@ -55,6 +55,7 @@ class DataConfig:
     system_prompt: str | None = None  # chat template only: the system message; None = none
     instruction: str | None = CHAT_INSTRUCTION  # chat template only: appended to the question in the user message; None = none
     answer_format: str = "answer_line"  # how the final answer is marked: "answer_line" (Answer: X) | "answer_tag" (<answer>X</answer>) | "boxed" (\\boxed{X}) | "hash" (#### X)
+    image_column: str | None = "image"  # rows with this column carry images (a path, bytes, a PIL or datasets image, or a list of them) for a vision-language model; rows without it are text; None = never read images
     tiers: list[int] = field(default_factory=lambda: [1, 2, 3])  # difficulty tiers to draw (builtin bike_pricing)
     seed: int = 1234  # generator seed; fixes the problems and the train/held-out split
     sampler: SamplerConfig = field(default_factory=SamplerConfig)  # which training prompts a step draws (held-out evaluation always uses all)

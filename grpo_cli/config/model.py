@@ -41,6 +41,7 @@ class ModelConfig:
     dtype: str = "float32"  # compute dtype: float32 | bfloat16 | float16; on CUDA the trainer keeps fp32 master weights and autocasts
     max_context_tokens: int | None = None  # cap on prompt+completion tokens; None = the model's max_position_embeddings
     lora: LoraConfig = field(default_factory=LoraConfig)  # train LoRA adapters instead of every weight (model.lora.rank=16)
+    freeze_vision: bool = True  # a vision-language model: keep the vision tower and its connector as they are (docs/vision.md); False trains them too
 
     def __post_init__(self) -> None:
         require(self.dtype in ("float32", "bfloat16", "float16"), "model.dtype",

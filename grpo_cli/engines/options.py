@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 def max_model_len(model_path: str, model: ModelConfig) -> int:
     from transformers import AutoConfig  # here, not at the top: transformers is heavy and grpo check needs none
 
-    limit = AutoConfig.from_pretrained(model_path).max_position_embeddings
+    limit = AutoConfig.from_pretrained(model_path).get_text_config().max_position_embeddings  # a VLM's: its text model's
     return min(limit, model.max_context_tokens) if model.max_context_tokens else limit
 
 

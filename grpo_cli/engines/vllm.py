@@ -43,6 +43,7 @@ from grpo_cli.engines.options import (
     prefill_waves,
     vllm_lora_rank,
 )
+from grpo_cli.prompts.images import row_images
 from grpo_cli.runtime import set_threads
 from grpo_cli.weights.lora import write_adapter
 
@@ -90,8 +91,10 @@ class VLLMEngine(LeafEngine):
     """An in-process vLLM engine sampling groups with n=G."""
 
     def __init__(self, model_path: str, model: ModelConfig, rollout: RolloutConfig, seed: int,
-                 show_progress: bool = False, sleep: bool = False, world_size: int = 1) -> None:
+                 show_progress: bool = False, sleep: bool = False, world_size: int = 1,
+                 image_column: str | None = None) -> None:
         in_process_engine_env()
+        self.image_column = image_column  # the rows' images (data.image_column) go to vLLM with their prompts
         import torch
         from vllm import LLM
 
@@ -112,6 +115,10 @@ class VLLMEngine(LeafEngine):
             kwargs["kv_cache_memory_bytes"] = int(rollout.kv_cache_gib * 2**30)
             kwargs["max_num_batched_tokens"] = CPU_MAX_BATCHED_TOKENS
             kwargs["max_num_seqs"] = CPU_MAX_SEQS
+            if image_column is not None:  # vLLM's start runs its vision tower on as many dummy images as its token
+                # budget holds (12 s of the shipped model's 41 s start) to size memory the CPU does not
+                # size that way (the KV cache is given above)
+                kwargs["skip_mm_profiling"] = True
             if rollout.multi_turn:  # a turn's request re-reads prompt + trajectory; the CPU default block of
                 # 128 tokens caches almost none of that prefix, 32 caches most (docs/tools.md, "What it costs")
                 kwargs["block_size"] = CPU_TOOL_BLOCK_SIZE
@@ -179,7 +186,7 @@ class VLLMEngine(LeafEngine):
                                   CPU_MAX_SEQS)
         outputs = []
         for wave in waves:
-            outputs += self.llm.generate([{"prompt_token_ids": prompt_ids[i]} for i in wave],
+            outputs += self.llm.generate([self._prompt(prompt_ids[i], rows[i] if rows else None) for i in wave],
                                          [params[i] for i in wave], use_tqdm=False, lora_request=self.lora_request)
         completion_ids, logprobs, truncated = [], [], []
         for out in outputs:
@@ -191,6 +198,12 @@ class VLLMEngine(LeafEngine):
                                            skip_special_tokens=True)  # [P*G], what vLLM's own text would be
         texts = [flat[p * group_size:(p + 1) * group_size] for p in range(len(completion_ids))]
         return Rollouts(prompt_ids, completion_ids, logprobs, texts, truncated)
+
+    def _prompt(self, prompt_ids: list[int], row: dict | None) -> dict[str, Any]:
+        """vLLM's prompt: the ids, one image token per image, and the row's images, which vLLM's processor
+        turns into the image's tokens and pixel values once per prompt (its n samples share them)."""
+        images = row_images(row, self.image_column) if row is not None else []
+        return {"prompt_token_ids": prompt_ids, **({"multi_modal_data": {"image": images}} if images else {})}
 
     def close(self) -> None:
         """Nothing to stop: the engine lives in this process and goes with it."""
@@ -288,6 +301,11 @@ class VLLMEngine(LeafEngine):
         with torch.no_grad():  # lazily: a sharded policy gathers each tensor as the reload reaches it
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors),
                                                               "is_checkpoint_format": True})
+        if self.image_column is not None:
+            # The reload clears the model runner's encoded images, and not the scheduler's record of them: the next
+            # prompt whose image the scheduler thinks is encoded fails ("Encoder cache miss"). Reset both (and so
+            # no image is ever read through a vision tower older than the weights)
+            self.llm.llm_engine.reset_encoder_cache()
         if not self.sleeping:  # a sleeping KV cache is reset when it wakes (wake_kv_cache)
             self.llm.reset_prefix_cache()
 

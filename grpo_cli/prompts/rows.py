@@ -26,6 +26,7 @@ from typing import Any
 
 from grpo_cli import hub
 from grpo_cli.errors import UsageError, one_line
+from grpo_cli.prompts.images import attach_images, image_name, row_images
 from grpo_cli.prompts.templates import conversation_problem, is_conversation, prompt_key
 from grpo_cli.tasks import BUILTIN_TASKS
 
@@ -176,11 +177,17 @@ def split_rows(rows: list[dict], heldout: list[dict] | None, data: Any) -> tuple
                          f"fewer than data.num_heldout={n}; lower data.num_heldout")
     else:
         heldout = heldout[:n]
-    held_questions = {prompt_key(row[data.prompt_column]) for row in heldout}
-    train = [row for row in rows if prompt_key(row[data.prompt_column]) not in held_questions]
+    held_questions = {problem_key(row, data) for row in heldout}
+    train = [row for row in rows if problem_key(row, data) not in held_questions]
     if not train:
         raise UsageError(f"data.source: every row of '{data.source}' repeats a held-out question; nothing to train on")
     return train, heldout
+
+
+def problem_key(row: dict, data: Any) -> tuple:
+    """What makes two rows the same problem: the question and, in rows with images, the images (by name: a
+    path, or a hash of the pixels), so one question asked of two pictures is two problems."""
+    return prompt_key(row[data.prompt_column]), tuple(map(image_name, row_images(row, data.image_column)))
 
 
 def hub_sources(data: Any) -> list[str]:
@@ -193,16 +200,20 @@ def load_splits(data: Any) -> tuple[list[dict], list[dict]]:
     if data.source.startswith("builtin:"):
         train, heldout = builtin_splits(data)
         check_rows(train, data.prompt_column, data.source, template=data.template)
+        attach_images(train, data.image_column, data.source)
+        attach_images(heldout, data.image_column, data.source)
         return train, heldout
     rows = rename_columns(read_rows(data.source, data.split, hub_config=data.hub_config), data.rename_columns,
                           data.source)
     check_rows(rows, data.prompt_column, data.source, template=data.template)
+    attach_images(rows, data.image_column, data.source)
     heldout = None
     if data.heldout_source:
         heldout = rename_columns(read_rows(data.heldout_source, data.split, key="data.heldout_source",
                                            hub_config=data.hub_config), data.rename_columns, data.heldout_source)
         check_rows(heldout, data.prompt_column, data.heldout_source, key="data.heldout_source",
                    template=data.template)
+        attach_images(heldout, data.image_column, data.heldout_source, key="data.heldout_source")
     return split_rows(rows, heldout, data)
 
 
@@ -216,6 +227,27 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
             f.write(json.dumps(row, ensure_ascii=False, default=str) + "\n")
 
 
+def images_as_files(rows: list[dict], column: str | None, out: Path) -> list[dict]:
+    """Rows whose images are written as PNG files under out/images/ (named as completions.jsonl names them),
+    the column holding their paths relative to `out`, which is how a data file gives them back."""
+    if not rows or not any(row_images(row, column) for row in rows[:1]):
+        return rows
+    (out / "images").mkdir(exist_ok=True)
+    written: set[str] = set()
+    exported = []
+    for row in rows:
+        paths = []
+        for image in row_images(row, column):
+            stem = image_name(image).removesuffix(".png").replace("/", "_").replace(":", "_")
+            path = f"images/{stem}.png"
+            if path not in written:
+                image.save(out / path)
+                written.add(path)
+            paths.append(path)
+        exported.append({**row, column: paths[0] if len(paths) == 1 else paths})
+    return exported
+
+
 def run_export(config: Any, run_dir: Any) -> int:
     """`grpo export recipe=NAME out=DIR`: write DIR/train.jsonl and DIR/heldout.jsonl."""
     train, heldout = load_splits(config.data)
@@ -224,6 +256,7 @@ def run_export(config: Any, run_dir: Any) -> int:
         raise UsageError(f"out: '{config.out}' exists and is not a directory")
     try:
         out.mkdir(parents=True, exist_ok=True)
+        train, heldout = (images_as_files(rows, config.data.image_column, out) for rows in (train, heldout))
         write_jsonl(out / "train.jsonl", train)
         write_jsonl(out / "heldout.jsonl", heldout)
     except OSError as e:

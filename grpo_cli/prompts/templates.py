@@ -18,6 +18,7 @@ import json
 from typing import Any
 
 from grpo_cli.config import CHAT_INSTRUCTION
+from grpo_cli.prompts.images import row_images
 
 PLAIN_TEMPLATE = "Question: {question}\nSolution:"
 
@@ -89,11 +90,30 @@ def render(question: str, template: str, tokenizer: Any = None, system_prompt: s
     return render_chat(question, tokenizer, system_prompt, instruction, tools)
 
 
-def render_row(row: dict[str, Any], data: Any, tokenizer: Any = None, tools: list[dict] | None = None) -> str:
+def render_row(row: dict[str, Any], data: Any, tokenizer: Any = None, tools: list[dict] | None = None,
+               vision: Any = None) -> str:
     """A dataset row's prompt under the recipe's `data` section (template, prompt column, system prompt),
     with the chat-format tools' schemas when there are any. A conversation needs the chat template (the data
-    check refuses it under the plain one)."""
+    check refuses it under the plain one). A row with images (data.image_column, read by prompts.images) puts
+    one `vision.image_token` per image before the question: under the plain template ahead of it, under the chat
+    template as the user turn's first parts, where the processor's chat template places them."""
     prompt = row[data.prompt_column]
+    if images := row_images(row, data.image_column):
+        if vision is None:
+            raise ValueError("a row with images needs a vision-language model's processor")
+        if data.template == "plain":
+            return vision.image_token * len(images) + render_plain(prompt)
+        return render_image_chat(prompt, len(images), vision.processor, data.system_prompt, data.instruction)
     if is_conversation(prompt):
         return render_conversation(prompt, tokenizer, tools)
     return render(prompt, data.template, tokenizer, data.system_prompt, data.instruction, tools)
+
+
+def render_image_chat(question: str, num_images: int, processor: Any, system_prompt: str | None = None,
+                      instruction: str | None = CHAT_INSTRUCTION) -> str:
+    """A question with its images through the processor's chat template: the images, then the text, in the
+    user's turn."""
+    user = f"{question}\n\n{instruction}" if instruction else question
+    messages = [{"role": "system", "content": [{"type": "text", "text": system_prompt}]}] if system_prompt else []
+    messages.append({"role": "user", "content": [{"type": "image"}] * num_images + [{"type": "text", "text": user}]})
+    return processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

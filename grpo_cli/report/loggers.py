@@ -19,6 +19,7 @@ from typing import Any, Protocol, TextIO
 from urllib.parse import urlsplit
 
 from grpo_cli.errors import UsageError
+from grpo_cli.prompts.images import image_name, is_image
 from grpo_cli.step.metrics import as_number
 
 
@@ -30,8 +31,10 @@ class Logger(Protocol):
     def close(self) -> None: ...
 
 
-def _jsonable(value: Any) -> Any:
-    """json.dumps fallback: tensors / numpy scalars to Python numbers, anything else to str."""
+def jsonable(value: Any) -> Any:
+    """json.dumps fallback: tensors / numpy scalars to Python numbers, an image to its name, anything else to str."""
+    if is_image(value):
+        return image_name(value)
     if hasattr(value, "item"):
         try:
             return value.item()
@@ -71,14 +74,14 @@ class JsonlLogger:
         self._samples: TextIO | None = None  # opened on the first samples, so runs without any have no file
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
-        self._metrics.write(json.dumps({"step": step, **metrics}, default=_jsonable) + "\n")
+        self._metrics.write(json.dumps({"step": step, **metrics}, default=jsonable) + "\n")
         self._metrics.flush()
 
     def log_samples(self, samples: list[dict[str, Any]], step: int) -> None:
         if self._samples is None:
             self._samples = open(self.samples_path, "a", encoding="utf-8")
         for sample in samples:
-            self._samples.write(json.dumps({"step": step, **sample}, default=_jsonable, ensure_ascii=False) + "\n")
+            self._samples.write(json.dumps({"step": step, **sample}, default=jsonable, ensure_ascii=False) + "\n")
         self._samples.flush()
 
     def close(self) -> None:

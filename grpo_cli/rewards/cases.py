@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from grpo_cli.errors import UsageError
+from grpo_cli.prompts.images import ImageProblem, load_image
 from grpo_cli.rewards.answers import as_text
 from grpo_cli.rewards.load import RESERVED, close_reward_models, correctness_name, load_rewards, needed_columns
 from grpo_cli.rewards.score import RewardFailures, SampleContext, score
@@ -49,6 +50,18 @@ def read_cases(path_text: str) -> list[dict]:
     if not cases:
         raise UsageError(f"cases file '{path_text}' holds no cases")
     return cases
+
+
+def read_case_images(case: dict, column: str | None, base_dir: Path, where: str) -> None:
+    """A case's images (data.image_column: paths relative to the cases file, as a data file's), read in place
+    into PIL images as a run's rows hold them, so a reward that looks at the picture gets it here too."""
+    if not column or case.get(column) is None:
+        return
+    values = case[column] if isinstance(case[column], list) else [case[column]]
+    try:
+        case[column] = [load_image(value, base_dir) for value in values]
+    except ImageProblem as e:
+        raise UsageError(f"{where}: '{column}': {e}") from None
 
 
 Expected = float | tuple[float | None, float | None]  # a value, or a range [low, high] (None: open on that side)
@@ -139,6 +152,7 @@ def score_cases(config: Any, rewards: list) -> int:
         missing = [c for c in needed if c not in case]
         if missing:
             raise UsageError(f"{where}: no '{missing[0]}' field, which the rewards need (add it beside 'completion')")
+        read_case_images(case, config.data.image_column, Path(config.cases).parent, where)
 
     table = Table(title=escape(f"rewards of recipe '{config.task}' on {config.cases} ({config.data.answer_format})"))
     table.add_column("#", justify="right")

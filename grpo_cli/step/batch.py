@@ -14,7 +14,7 @@ minibatch's groups (`rank_share`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from grpo_cli.algorithm import grpo
 from grpo_cli.algorithm.grpo import LossParams
@@ -24,6 +24,8 @@ from grpo_cli.step.collect import Groups
 
 if TYPE_CHECKING:
     import torch
+
+    from grpo_cli.prompts.images import Vision
 
 
 
@@ -98,6 +100,7 @@ class Minibatch:
     micro_batches: list[MicroBatch]  # its forward/backward passes
     normalizer: float  # its loss normalizer (grpo.NORMALIZERS over all its completions, on every rank)
     rows: list[int] = field(default_factory=list)  # its completions (every rank's) in TrainBatch.completions
+    prompt_pixels: dict[str, torch.Tensor] | None = None  # its prompts' images (pixel_values [p, N, C, H, W], ...); None = text
 
 
 @dataclass
@@ -111,6 +114,7 @@ class TrainBatch:
     train_tokens: int = 0  # prompt tokens x G + completion tokens of the kept groups (each prompt runs once)
     advantages: list[float] = field(default_factory=list)  # [N] each completion's advantage
     sampling_logprobs: list[list[float]] = field(default_factory=list)  # [N][T_i] the engine's, per token
+    prompt_images: list[list[Any]] = field(default_factory=list)  # [P'] the kept prompts' images (empty: text rows)
 
     @property
     def prompt_index(self) -> list[int]:
@@ -123,10 +127,12 @@ class TrainBatch:
         return [mb for part in self.minibatches for mb in part.micro_batches]
 
     @classmethod
-    def build(cls, groups: Groups, pad_id: int, cfg: TrainerConfig, dist: Dist, loss_params: LossParams) -> TrainBatch:
+    def build(cls, groups: Groups, pad_id: int, cfg: TrainerConfig, dist: Dist, loss_params: LossParams,
+              vision: Vision | None = None) -> TrainBatch:
         """Kept groups -> completions (truncated ones dropped with trainer.mask_truncated, and those a
         reward with on_failure=drop failed on) -> minibatches of whole groups -> length-sorted
-        micro-batches, each padded on the run's device."""
+        micro-batches, each padded on the run's device. With images (`vision`), each kept prompt is its ids
+        with every image token expanded into the image's tokens, and its minibatch carries the pixel values."""
         kept, G = groups.kept(), groups.group_size
         rollouts = groups.rollouts
         dropped = groups.dropped.tolist()  # [P][G]
@@ -134,7 +140,11 @@ class TrainBatch:
                     if not (cfg.mask_truncated and rollouts.truncated[p][g]) and not dropped[p][g]]
         completions = [rollouts.completion_ids[kept[slot]][g] for slot, g in group_of]  # [N]
         prompt_tokens = [groups.prompt_ids[p] for p in kept]
-        batch = cls(prompt_tokens, completions, group_of, [rollouts.loss_mask(kept[slot], g) for slot, g in group_of])
+        images = [vision.images(groups.rows[p]) for p in kept] if vision is not None else []
+        if vision is not None:
+            prompt_tokens = [vision.expand(ids, imgs) for ids, imgs in zip(prompt_tokens, images)]
+        batch = cls(prompt_tokens, completions, group_of, [rollouts.loss_mask(kept[slot], g) for slot, g in group_of],
+                    prompt_images=images)
         batch.train_tokens = sum(G * len(ids) for ids in prompt_tokens) + sum(
             len(rollouts.completion_ids[p][g]) for p in kept for g in range(G))
         if not completions:
@@ -146,7 +156,7 @@ class TrainBatch:
         parts = [contiguous_share(len(kept), i, cfg.minibatches) for i in range(cfg.minibatches)]
         for slots in [part for part in parts if len(part)]:  # whole groups, the first parts one longer
             rows = [j for j, (slot, _) in enumerate(group_of) if slot in slots]
-            batch.minibatches.append(_minibatch(batch, rows, slots, pad_id, cfg, dist, loss_params))
+            batch.minibatches.append(_minibatch(batch, rows, slots, pad_id, cfg, dist, loss_params, vision))
         return batch
 
 
@@ -162,7 +172,7 @@ def _passes(batch: TrainBatch, rows: list[int], cfg: TrainerConfig) -> list[list
 
 
 def _minibatch(batch: TrainBatch, rows: list[int], slots: range, pad_id: int, cfg: TrainerConfig, dist: Dist,
-               loss_params: LossParams) -> Minibatch:
+               loss_params: LossParams, vision: Vision | None = None) -> Minibatch:
     """One optimizer step's completions `rows` (of prompts `slots`): this rank's share of its groups,
     their prompts padded once, micro-batches. Every rank holds the whole step's groups, so the
     normalizer is the whole minibatch's and every rank knows how many passes the others run: a
@@ -178,6 +188,12 @@ def _minibatch(batch: TrainBatch, rows: list[int], slots: range, pad_id: int, cf
     my_rows = rows_of(mine)
     num_passes = max(len(_passes(batch, rows_of(share), cfg)) for share in shares)
     prompts = [batch.prompt_tokens[s] for s in mine] or [[pad_id]]  # an idle rank still runs the prompt pass
+    pixels = None
+    if vision is not None:  # an idle rank runs the minibatch's first prompt, images and all: the same modules as
+        # the others (FSDP's gathers pair up); its passes are empty, so nothing of it reaches the loss
+        shown = list(mine) or [slots.start]
+        prompts = [batch.prompt_tokens[s] for s in shown]
+        pixels = {k: v.to(dist.device) for k, v in vision.pixels([batch.prompt_images[s] for s in shown]).items()}
     prompt_ids, prompt_mask = pad_rows(prompts, pad_id, dist.device)  # [p, Tp] x 2
     passes = []
     for local in _passes(batch, my_rows, cfg):
@@ -199,7 +215,7 @@ def _minibatch(batch: TrainBatch, rows: list[int], slots: range, pad_id: int, cf
                                  ids=ids, mask=mask, advantages=torch.zeros(1, 1, device=dist.device),
                                  sampling_logprobs=torch.zeros_like(mask)))
     normalizer = minibatch_normalizer([batch.loss_masks[j] for j in rows], cfg.loss, loss_params)
-    return Minibatch(prompt_ids, prompt_mask, passes, normalizer, rows)
+    return Minibatch(prompt_ids, prompt_mask, passes, normalizer, rows, pixels)
 
 
 def minibatch_normalizer(loss_masks: list[list[int]], loss: str, loss_params: LossParams) -> float:

@@ -49,6 +49,7 @@ from grpo_cli.weights.checkpoint import (
     restore_trainer_state,
 )
 from grpo_cli.weights.lora import with_adapters
+from grpo_cli.weights.model_files import is_vision_part
 from grpo_cli.weights.runs import CHECKPOINTS, step_checkpoints
 
 if TYPE_CHECKING:
@@ -131,6 +132,10 @@ def start_run(cfg: TrainConfig, task: Task, run_dir: Path, engine: Engine | None
         policy = load_policy(weights, dist.master_dtype(cfg.model.dtype)).to(dist.device)
     policy.train()
     policy.config.use_cache = False
+    if task.vision is not None and cfg.model.freeze_vision:  # the vision tower and connector stay as loaded
+        for name, param in policy.named_parameters():
+            if is_vision_part(name):
+                param.requires_grad_(False)
     # FSDP2 at world size > 1 (each rank keeps its shard; on CUDA the gathers carry model.dtype)
     policy = shard_model(policy, dist, cfg.dist.reshard_layers, cfg.model.dtype)
     reference = None
@@ -202,7 +207,8 @@ def build_engine(cfg: TrainConfig, task: Task, weights: str, policy: torch.nn.Mo
         return remote
     builders = {
         "vllm": lambda: VLLMEngine(weights, cfg.model, cfg.rollout, cfg.trainer.seed, cfg.logging.verbose_libraries,
-                                   sleep=sleep_wanted(cfg.rollout, dist.device), world_size=dist.world_size),
+                                   sleep=sleep_wanted(cfg.rollout, dist.device), world_size=dist.world_size,
+                                   image_column=cfg.data.image_column if task.vision is not None else None),
         "hf": lambda: HFEngine(policy, task.tokenizer, lambda: dist.autocast(cfg.model.dtype)),
     }
     if given is not None:

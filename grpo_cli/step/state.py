@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from grpo_cli.config import DataConfig
 from grpo_cli.dist.ranks import Dist
 from grpo_cli.engines.base import Engine
+from grpo_cli.prompts.images import Vision
 from grpo_cli.prompts.pool import PromptPool
 from grpo_cli.prompts.templates import render_row
 from grpo_cli.rewards.load import WeightedReward
@@ -40,11 +41,23 @@ class Task:
     data: DataConfig  # how a row becomes a prompt (template, prompt column) and how its answer is marked
     tools: list[LoadedTool] = dataclasses.field(default_factory=list)  # rollout.tools, loaded (docs/tools.md)
     teacher_path: str | None = None  # distill.teacher's directory (or hub id), checked against the tokenizer
+    vision: Vision | None = None  # rows with images: the vision-language model's processor (prompts.images); None = text
 
     def encode(self, row: dict[str, Any]) -> list[int]:
-        """A row's prompt, rendered with data.template, as token ids."""
-        return self.tokenizer(render_row(row, self.data, self.tokenizer, self.tool_schemas),
+        """A row's prompt, rendered with data.template, as token ids: one image token per image (what vLLM takes
+        with the images; `Vision.expand` gives the trainer's prompt)."""
+        return self.tokenizer(render_row(row, self.data, self.tokenizer, self.tool_schemas, self.vision),
                               add_special_tokens=False)["input_ids"]
+
+    @property
+    def tokenizer_files(self) -> Any:
+        """What a checkpoint saves beside the weights (`save_pretrained`): a vision-language model's processor (its
+        tokenizer with it), else the tokenizer."""
+        return self.vision.processor if self.vision is not None else self.tokenizer
+
+    def images(self, row: dict[str, Any]) -> list[Any]:
+        """A row's images ([] for a text row)."""
+        return self.vision.images(row) if self.vision is not None else []
 
     @property
     def tool_schemas(self) -> list[dict] | None:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from grpo_cli.algorithm import passes
 from grpo_cli.config import RolloutConfig, TrainerConfig
-from grpo_cli.dist.shard import full_parameters, full_tensors, gathered, run_pass
+from grpo_cli.dist.shard import full_parameters, full_tensors, gathered, run_pass, unwrap
 from grpo_cli.engines.base import Engine
 from grpo_cli.errors import RunFailure
 from grpo_cli.step.batch import TrainBatch
@@ -23,6 +23,7 @@ from grpo_cli.step.optim import move_optimizer_state
 from grpo_cli.step.state import RunState
 from grpo_cli.step.timer import StepTimer
 from grpo_cli.weights.lora import adapter_config, adapter_tensors, is_adapter_model, merged_tensors
+from grpo_cli.weights.model_files import is_vision_language
 
 if TYPE_CHECKING:
     import torch
@@ -117,6 +118,15 @@ def push_check(engine: Engine, policy: torch.nn.Module, sequences: list[list[int
 # Pushed tensors compared element for element (sync.exact_push_check): the embedding and two norms, which every
 # backend keeps as loaded (vLLM's CPU backend repacks the linear layers), and which every update moves.
 EXACT_TENSORS = ("model.embed_tokens.weight", "model.norm.weight", "model.layers.0.input_layernorm.weight")
+# A vision-language model's (Idefics3, SmolVLM: the text model under model.text_model), with its vision tower's last
+# norm: moved by an update that trains the tower (model.freeze_vision=false), equal to the loaded one otherwise.
+VISION_EXACT_TENSORS = ("model.text_model.embed_tokens.weight", "model.text_model.norm.weight",
+                        "model.text_model.layers.0.input_layernorm.weight", "model.vision_model.post_layernorm.weight")
+
+
+def exact_tensors(policy: torch.nn.Module) -> tuple[str, ...]:
+    """The tensors the exact push check compares, as the policy's architecture names them."""
+    return VISION_EXACT_TENSORS if is_vision_language(unwrap(policy).config) else EXACT_TENSORS
 
 
 def mismatched_elements(engine_tensor: torch.Tensor, trainer_tensor: torch.Tensor) -> int:
@@ -132,9 +142,10 @@ def exact_push_check(engine: Engine, policy: torch.nn.Module) -> tuple[int, int]
     parallelism a tensor the rank holds a shard of is compared when the shard is the whole tensor. With LoRA the
     base's EXACT_TENSORS, and where the engine serves the adapters, EXACT_ADAPTERS' A and B as it holds them."""
     prefix = "base_model.model." if is_adapter_model(policy) else ""  # a peft model's names of the base's tensors
-    engine_tensors = engine.read_weights(EXACT_TENSORS)  # {} where the engine shares the policy's tensors
+    names = exact_tensors(policy)
+    engine_tensors = engine.read_weights(names)  # {} where the engine shares the policy's tensors
     differ = compared = 0
-    for name, tensor in full_tensors(policy, [prefix + n for n in EXACT_TENSORS]):  # every rank: the same, in order
+    for name, tensor in full_tensors(policy, [prefix + n for n in names]):  # every rank: the same, in order
         mine = engine_tensors.get(name.removeprefix(prefix))
         if mine is not None and mine.shape == tensor.shape:
             differ += mismatched_elements(mine, tensor)
@@ -194,7 +205,7 @@ def maybe_push_check(state: RunState, batch: TrainBatch, step: int, cfg: Rollout
             where = f" of rank {worst}" if dist.world_size > 1 else ""
 
             raise RunFailure(f"the rollout engine{where} holds stale weights: {differ} of {compared} elements of "
-                             f"{', '.join(EXACT_TENSORS)} (with LoRA, and of {', '.join(EXACT_ADAPTERS)}'s adapters) "
+                             f"{', '.join(exact_tensors(state.policy))} (with LoRA, and of {', '.join(EXACT_ADAPTERS)}'s adapters) "
                              "differ from the trainer's after a weight push (cast to the engine's dtype they must be "
                              "equal)")
         out["push_check/tensors_mismatched"] = float(differ)

@@ -63,7 +63,8 @@ def batch_logprobs(model: torch.nn.Module | None, batch: TrainBatch, chunk_token
     out = []
     with torch.no_grad(), (autocast or contextlib.nullcontext)():
         for part in batch.minibatches:
-            prompts = run_pass(model, passes.prompt_states, part.prompt_ids, part.prompt_mask)  # each prompt once
+            prompts = run_pass(model, passes.prompt_states, part.prompt_ids, part.prompt_mask,
+                               part.prompt_pixels)  # each prompt once
             out += [run_pass(model, passes.completion_logprobs, prompts, mb.prompt_index, mb.ids, mb.attended,
                              chunk_tokens, temperature=temperature) for mb in part.micro_batches]  # [b, Tc] each
             reshard_all(model)  # FSDP (world size > 1): back to this rank's shards
@@ -202,7 +203,8 @@ def minibatch_step(state: RunState, part: Minibatch, params: LossParams, cfg: Tr
     optimizer.zero_grad(set_to_none=True)
     loss_total = torch.zeros((), dtype=torch.float64, device=dist.device)  # on the device: no sync per micro-batch
     with dist.autocast(cfg.model.dtype):  # forward passes in the compute dtype; logprobs and loss in float32
-        prompts = run_pass(policy, passes.prompt_states, part.prompt_ids, part.prompt_mask)  # autograd: backward at the end
+        prompts = run_pass(policy, passes.prompt_states, part.prompt_ids, part.prompt_mask,
+                           part.prompt_pixels)  # autograd: backward at the end
     leaves = passes.prompt_leaves(prompts)  # collect the prompts' gradient over the micro-batches
     for mb in part.micro_batches:
         with dist.autocast(cfg.model.dtype):

@@ -20,6 +20,7 @@ from grpo_cli.weights.model_files import (  # noqa: F401  where a model lives, a
     BUILTIN_PREFIX,
     MODELS_DIR,
     damaged_weights,
+    is_vision_language,
     resolve_model_path,
     safetensors_damage,
 )
@@ -52,10 +53,22 @@ def load_tokenizer(path: str) -> Any:
 
 
 def load_policy(path: str, dtype: str) -> torch.nn.Module:
-    """A causal LM from safetensors only (use_safetensors refuses pickled .bin weights)."""
-    from transformers import AutoModelForCausalLM
+    """A causal LM (or a vision-language model: `is_vision_language`) from safetensors only (use_safetensors
+    refuses pickled .bin weights)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype), use_safetensors=True)
+    auto = AutoModelForImageTextToText if is_vision_language(AutoConfig.from_pretrained(path)) else AutoModelForCausalLM
+    return auto.from_pretrained(path, dtype=torch_dtype(dtype), use_safetensors=True)
+
+
+def load_processor(path: str) -> Any:
+    """A vision-language model's processor (its image processor and tokenizer), from the model's files."""
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(path)
+    if processor.tokenizer.pad_token_id is None:
+        processor.tokenizer.pad_token = processor.tokenizer.eos_token
+    return processor
 
 
 EMBED_SUFFIXES = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight")  # input embeddings a tied lm_head reuses

@@ -81,3 +81,19 @@ def checked_model_path(key: str, name_or_path: str) -> str:
     if not Path(path).is_dir():
         hub.settle()  # a hub id: an unreachable hub means the cache only, before any library tries it
     return path
+
+
+def is_vision_language(config: object) -> bool:
+    """Whether a model (by its transformers config) takes images: a vision tower beside its text model (Idefics3,
+    SmolVLM and their kin). Such a model loads as AutoModelForImageTextToText, with its processor."""
+    return getattr(config, "vision_config", None) is not None
+
+
+# The parts of a vision-language model that see the pixels, by parameter name (transformers' names): the vision
+# tower and what carries its output into the text model. model.freeze_vision keeps them as loaded.
+VISION_PARTS = ("vision_model.", "vision_tower.", "connector.", "multi_modal_projector.")
+
+
+def is_vision_part(name: str) -> bool:
+    """Whether a parameter (by name) belongs to a model's vision tower or connector."""
+    return any(part in name for part in VISION_PARTS)

@@ -143,6 +143,21 @@ def test_an_unreadable_or_missing_image_fails_its_row_in_one_line(tmp_path, valu
     assert str(e.value).startswith("data.source: '")
 
 
+def test_an_image_that_claims_too_many_pixels_fails_its_row_without_being_decoded(tmp_path):
+    import io
+
+    from PIL import Image
+
+    from grpo_cli.errors import UsageError
+    from grpo_cli.prompts.images import attach_images
+
+    bomb = io.BytesIO()
+    Image.new("1", (20000, 20000)).save(bomb, format="PNG")  # 48 KB of PNG for 400M pixels
+    with pytest.raises(UsageError, match="row 0 \\(counting from 0\\): column 'image': the image's bytes claim more "
+                                         "than PIL's limit of 178,956,970 pixels"):
+        attach_images([{"q": "a", "image": bomb.getvalue()}], "image", str(tmp_path / "rows.jsonl"))
+
+
 def test_one_question_asked_of_two_pictures_is_two_problems_in_the_split(tmp_path):
     from grpo_cli.config import DataConfig
     from grpo_cli.prompts.rows import load_splits

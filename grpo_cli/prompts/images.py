@@ -50,6 +50,9 @@ def _open(data: bytes | Path, what: str) -> Any:
         raise ImageProblem(f"{what} not found") from None
     except UnidentifiedImageError:  # its message quotes an object's address: not worth a line
         raise ImageProblem(f"{what} {verb} not in an image format PIL reads") from None
+    except Image.DecompressionBombError:  # a header that claims more pixels than PIL will decode
+        raise ImageProblem(f"{what} claim{'' if verb == 'are' else 's'} more than PIL's limit of "
+                           f"{2 * Image.MAX_IMAGE_PIXELS:,} pixels") from None
     except (OSError, ValueError) as e:  # a truncated file, a damaged stream
         raise ImageProblem(f"{what} {verb} not a readable image ({one_line(e)})") from None
     return image

@@ -283,6 +283,7 @@ def test_a_vision_run_checkpoints_with_its_processor_resumes_bit_exactly_and_eva
     from grpo_cli import evaluate, train
     from grpo_cli.cli import load_config
     from grpo_cli.engines.vllm import VLLMEngine
+    from grpo_cli.step.sync import VISION_EXACT_TENSORS
     from grpo_cli.weights.checkpoint import checkpoint_weights
 
     overrides = ["recipe=bike_pricing_vision", "data.num_train=400", "data.num_heldout=16", "trainer.steps=4",
@@ -301,7 +302,9 @@ def test_a_vision_run_checkpoints_with_its_processor_resumes_bit_exactly_and_eva
     samples = [json.loads(line) for line in (run_dir / "completions.jsonl").read_text().splitlines()]
     assert samples and all(s["images"][0].startswith("bikev-") and s["images"][0].endswith(".png") for s in samples)
     logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert all(m["push/max_abs_diff"] < 1e-4 for m in logged if "push/max_abs_diff" in m)
+    assert [m["push_check/tensors_mismatched"] for m in logged if "push_check/tensors_mismatched" in m] == [0.0] * 4
+    assert all(m["push_check/max_abs_diff"] < 1e-4 for m in logged if "push_check/max_abs_diff" in m)
+    assert set(engine.read_weights(VISION_EXACT_TENSORS)) == set(VISION_EXACT_TENSORS)  # the exact check sees them
 
     copy = tmp_path / "crashed"
     shutil.copytree(run_dir, copy, ignore=shutil.ignore_patterns("final", "best", "metrics.png"))
